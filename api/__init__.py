@@ -1,0 +1,1 @@
+"""The FastAPI service (REST submission, SQL queue, dispatchers)."""

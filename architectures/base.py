@@ -1,0 +1,131 @@
+"""What an architecture is: a pure driver-side description plus a worker-side trainer.
+
+Driver side (no torch.distributed, no Ray): check the spec, describe where state lives.
+Worker side (`Trainer`): build the model in the current process group, run one step, hand out
+and take back this rank's state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    import torch
+
+    from failbench_ray.comm import AbortHandle
+    from failbench_ray.spec import ExperimentSpec
+
+
+class NoParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Where training state lives. Ranks holding the same shard id form a replica group."""
+
+    shard_of_rank: tuple[int, ...]
+    holds: tuple[str, ...]  # per rank, in words: "full replica", "shard 2/4", "stage 1/4", ...
+
+    @property
+    def world_size(self) -> int:
+        return len(self.shard_of_rank)
+
+    def shard_ids(self) -> list[int]:
+        return sorted(set(self.shard_of_rank))
+
+    def replica_groups(self) -> list[list[int]]:
+        return [
+            [r for r, s in enumerate(self.shard_of_rank) if s == shard]
+            for shard in self.shard_ids()
+        ]
+
+    def writer_of(self, shard: int) -> int:
+        """The rank that persists a shard: the lowest rank holding it."""
+        return self.shard_of_rank.index(shard)
+
+    def orphaned_shards(self, dead: set[int]) -> list[int]:
+        """Shards with no surviving holder."""
+        return [g[0] for g in self._groups_by_shard() if set(g[1]) <= dead]
+
+    def _groups_by_shard(self) -> list[tuple[int, list[int]]]:
+        return list(zip(self.shard_ids(), self.replica_groups(), strict=True))
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    loss: float
+    samples: int
+
+
+@dataclass
+class WorkerContext:
+    spec: ExperimentSpec
+    params: Any  # the architecture's own Params instance
+    rank: int
+    world_size: int
+    device: torch.device
+    group: Any  # torch.distributed.ProcessGroup
+    abort: AbortHandle
+
+
+class Trainer(ABC):
+    """One rank's training process for one generation of the process group."""
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.ctx = ctx
+
+    @abstractmethod
+    def train_step(self, step: int) -> StepOutput:
+        """One optimizer step; raise CollectiveAborted (before the update) if a peer died."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state (its shard): model and optimizer."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    @abstractmethod
+    def parameters_digest(self) -> str:
+        """sha256 of this rank's parameters (its shard), in name order."""
+
+
+def tensors_digest(named: list[tuple[str, Any]]) -> str:
+    h = hashlib.sha256()
+    for name, t in sorted(named, key=lambda kv: kv[0]):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+class Architecture(ABC):
+    """A training architecture. Subclasses set `name`, `summary`, `Params` and `trainer_cls`."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    Params: ClassVar[type[BaseModel]] = NoParams
+    trainer_cls: ClassVar[type[Trainer]]
+
+    def __init__(self, spec: ExperimentSpec, params: BaseModel) -> None:
+        self.spec = spec
+        self.params = params
+
+    @abstractmethod
+    def check(self) -> None:
+        """Raise SpecError if the spec's shape does not fit, saying which numbers would."""
+
+    @abstractmethod
+    def layout(self) -> StateLayout: ...
+
+    def exact_replay(self) -> bool:
+        """True if replaying a step from the same state gives bit-identical results."""
+        return True
+
+    def trainer(self, ctx: WorkerContext) -> Trainer:
+        return self.trainer_cls(ctx)

@@ -1,0 +1,83 @@
+"""Synchronous data parallel with torch's own DistributedDataParallel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.nn.parallel import DistributedDataParallel
+
+from architectures import ARCHITECTURES
+from architectures.base import (
+    Architecture,
+    StateLayout,
+    StepOutput,
+    Trainer,
+    WorkerContext,
+    tensors_digest,
+)
+from failbench_ray.comm import CanonicalAllReduceHook
+from failbench_ray.data import SyntheticData
+from failbench_ray.errors import SpecError
+from failbench_ray.models import build_model, loss_fn
+from failbench_ray.optim import build_optimizer
+
+# One bucket for all gradients, so the canonical hook sees every gradient at once.
+_ONE_BUCKET_MB = 1 << 20
+
+
+class DDPTrainer(Trainer):
+    def __init__(self, ctx: WorkerContext) -> None:
+        super().__init__(ctx)
+        spec = ctx.spec
+        self.module = build_model(spec.model, spec.seed).to(ctx.device)
+        self.model = DistributedDataParallel(
+            self.module,
+            process_group=ctx.group,
+            bucket_cap_mb=_ONE_BUCKET_MB,
+            init_sync=False,  # every rank builds the same init; restore brings the real state
+        )
+        hook = CanonicalAllReduceHook(ctx.abort, ctx.group, list(self.module.parameters()))
+        self.model.register_comm_hook(None, hook.all_reduce)
+        self.optimizer = build_optimizer(spec.optimizer, self.module.parameters())
+        self.data = SyntheticData(spec.model, spec.seed)
+
+    def train_step(self, step: int) -> StepOutput:
+        spec, ctx = self.ctx.spec, self.ctx
+        x, y = self.data.shard(step, spec.batch_size, ctx.rank, ctx.world_size)
+        x, y = x.to(ctx.device), y.to(ctx.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(spec.model, self.model(x), y)
+        loss.backward()
+        ctx.abort.check()  # a peer died during the all-reduce: skip the update
+        self.optimizer.step()
+        return StepOutput(loss=float(loss.detach()), samples=len(x))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def parameters_digest(self) -> str:
+        return tensors_digest(list(self.module.state_dict().items()))
+
+
+@ARCHITECTURES.register("ddp")
+class DDP(Architecture):
+    name = "ddp"
+    summary = "synchronous data parallel (torch DDP), gradients all-reduced every step"
+    trainer_cls = DDPTrainer
+
+    def check(self) -> None:
+        b, w = self.spec.batch_size, self.spec.world_size
+        if b % w:
+            fits = [k * w for k in range(max(1, b // w), b // w + 3)]
+            raise SpecError(
+                f"batch_size={b} does not split over world_size={w} ranks; use a multiple of "
+                f"{w}, e.g. {', '.join(map(str, fits))}"
+            )
+
+    def layout(self) -> StateLayout:
+        w = self.spec.world_size
+        return StateLayout(shard_of_rank=(0,) * w, holds=("full replica",) * w)

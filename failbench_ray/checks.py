@@ -1,0 +1,56 @@
+"""Checks of a spec against the registries, all done before any actor starts.
+
+`resolve(spec)` returns the architecture and mechanism objects, or raises SpecError with one
+line that says what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ValidationError
+
+from architectures import ARCHITECTURES, Architecture
+from failbench_ray.errors import NotApplicableError, SpecError
+from failbench_ray.spec import ExperimentSpec
+from injector.kill_kinds import KILL_KINDS
+from injector.traces import check_trace
+from mechanisms import MECHANISMS, Mechanism
+
+
+@dataclass(frozen=True)
+class Resolved:
+    spec: ExperimentSpec
+    arch: Architecture
+    mech: Mechanism
+
+
+def _params(model: type[BaseModel], data: dict, where: str) -> BaseModel:
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        e = err.errors()[0]
+        loc = ".".join(str(p) for p in e["loc"])
+        raise SpecError(f"invalid spec: {where}.params.{loc}: {e['msg']}") from None
+
+
+def resolve(spec: ExperimentSpec) -> Resolved:
+    arch_cls = ARCHITECTURES.get(spec.architecture.name)
+    mech_cls = MECHANISMS.get(spec.mechanism.name)
+    arch = arch_cls(spec, _params(arch_cls.Params, spec.architecture.params, "architecture"))
+    mech = mech_cls(spec, _params(mech_cls.Params, spec.mechanism.params, "mechanism"))
+    arch.check()
+    check_trace(spec.failures)
+    for event in spec.failures.events:
+        KILL_KINDS.get(event.kill)
+    reason = mech.not_applicable(arch)
+    if reason:
+        raise NotApplicableError(f"{mech.name} on {arch.name}: not applicable: {reason}")
+    if mech.needs_survivor:
+        for event in spec.failures.events:
+            if set(event.ranks) >= set(range(spec.world_size)):
+                raise NotApplicableError(
+                    f"{mech.name} recovers from a surviving rank, but failure {event.trigger} "
+                    f"kills every rank; kill at most {spec.world_size - 1} ranks at once"
+                )
+    return Resolved(spec, arch, mech)

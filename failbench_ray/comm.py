@@ -1,0 +1,191 @@
+"""Process groups that survive a dead peer, and collectives the driver can abort.
+
+Nothing in gloo frees a thread already blocked in a collective (see DESIGN.md), so the training
+thread never blocks inside gloo: collectives run with `async_op=True` and the thread waits on a
+future of ours, which either the collective's completion or an abort completes.
+
+Every re-formation is a new *generation*: the same TCPStore (hosted by the driver, so it outlives
+any worker) under a fresh key prefix. The previous default group is kept referenced, because
+dropping its last reference runs a destructor that waits out the stale collective.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class CollectiveAborted(RuntimeError):
+    """The collective of this step was aborted or failed: a peer died. The step did not happen."""
+
+
+class AbortHandle:
+    """Futures that an abort completes. Shared by every collective of one worker's generation.
+
+    A step is applied only if all of its collectives completed; an abort that lands after they
+    did lets the step finish, so survivors agree on the last completed step.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._aborted = False
+        self.error: BaseException | None = None
+        self._step_failed = False
+        self._pending: list[tuple[torch.futures.Future, Any]] = []
+
+    @property
+    def failed(self) -> bool:
+        """Aborted by the driver or a collective failed: launch no further collectives."""
+        return self._aborted or self.error is not None
+
+    def reason(self) -> str:
+        if self.error is not None:
+            return f"collective failed: {self.error}".splitlines()[0]
+        return "aborted by the driver"
+
+    def begin_step(self) -> None:
+        self._step_failed = False
+
+    def check(self) -> None:
+        """Raise if a collective of this step did not complete."""
+        if self._step_failed:
+            raise CollectiveAborted(self.reason())
+
+    def watch(
+        self, work: dist.Work, fallback: Any, on_success: Callable[[], Any]
+    ) -> torch.futures.Future:
+        """A future completed by `work` (with `on_success()`), or by an abort (with `fallback`)."""
+        out: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            if self.failed:
+                self._step_failed = True
+                out.set_result(fallback)
+                return out
+            self._pending.append((out, fallback))
+
+        def done(fut: torch.futures.Future) -> None:
+            try:
+                fut.wait()
+                value, ok = on_success(), True
+            except BaseException as err:  # the peer's socket closed, or the timeout hit
+                self.error = self.error or err
+                value, ok = fallback, False
+            self._complete(out, value, ok)
+
+        work.get_future().add_done_callback(done)
+        return out
+
+    def _complete(self, fut: torch.futures.Future, value: Any, ok: bool) -> None:
+        with self._lock:
+            if not fut.done():
+                self._step_failed = self._step_failed or not ok
+                fut.set_result(value)
+            self._pending = [(f, v) for f, v in self._pending if not f.done()]
+
+    def abort(self) -> None:
+        """Called from the actor's second thread: release whatever the training thread waits on."""
+        with self._lock:
+            self._aborted = True
+            pending, self._pending = self._pending, []
+        for fut, fallback in pending:
+            self._complete(fut, fallback, ok=False)
+
+    def wait(self, work: dist.Work) -> None:
+        """Wait for a collective without blocking inside gloo; raise if it did not complete."""
+        self.watch(work, None, lambda: None).wait()
+        self.check()
+
+
+class CanonicalAllReduceHook:
+    """DDP comm hook: average the bucket's gradients in a fixed (parameter) order.
+
+    Gloo's ring all-reduce sums each element in an order that depends on its offset in the
+    buffer, and DDP re-orders its buckets after the first iteration of every wrap. Flattening in
+    the parameters' own order makes the summation identical whenever a step is replayed, which
+    is what lets a rolled-back run end bit-identical to the baseline.
+    """
+
+    def __init__(self, handle: AbortHandle, group: dist.ProcessGroup, params: Sequence[Any]):
+        self.handle = handle
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.index = {id(p): i for i, p in enumerate(params)}
+
+    # DDP inspects this signature and accepts only real (not stringified) annotations or none.
+    def all_reduce(self, _state, bucket):  # type: ignore[no-untyped-def]
+        buf = bucket.buffer()
+        params = bucket.parameters()
+        grads = bucket.gradients()
+        offsets, off = [], 0
+        for g in grads:
+            offsets.append(off)
+            off += g.numel()
+        order = sorted(range(len(params)), key=lambda i: self.index[id(params[i])])
+        if self.handle.failed:
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result(buf)
+            return fut
+        flat = torch.cat([grads[i].reshape(-1) for i in order]).div_(self.world)
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+
+        def scatter_back() -> torch.Tensor:
+            pos = 0
+            for i in order:
+                n = grads[i].numel()
+                buf.narrow(0, offsets[i], n).copy_(flat.narrow(0, pos, n))
+                pos += n
+            return buf
+
+        return self.handle.watch(work, buf, scatter_back)
+
+
+class Generations:
+    """Joins a worker to generation after generation of the default process group."""
+
+    def __init__(self) -> None:
+        self._graveyard: list[Any] = []  # old groups, kept alive on purpose (see module doc)
+        self._client: dist.TCPStore | None = None
+
+    def join(
+        self,
+        *,
+        generation: int,
+        store_host: str,
+        store_port: int,
+        rank: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+        rendezvous_timeout_s: float,
+    ) -> dist.ProcessGroup:
+        self.leave()
+        if self._client is None:
+            self._client = dist.TCPStore(
+                store_host,
+                store_port,
+                is_master=False,
+                timeout=timedelta(seconds=rendezvous_timeout_s),
+                wait_for_workers=False,
+            )
+        store = dist.PrefixStore(f"gen{generation}/", self._client)
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=rendezvous_timeout_s),
+        )
+        group = dist.distributed_c10d._get_default_group()
+        # Rendezvous got the (shorter) re-formation timeout; collectives get the spec's.
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
+        return group
+
+    def leave(self) -> None:
+        if dist.is_initialized():
+            self._graveyard.append(dist.distributed_c10d._get_default_group())
+            dist.destroy_process_group()

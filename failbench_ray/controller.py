@@ -1,0 +1,402 @@
+"""The trial controller: an explicit state machine that runs one trial on a worker group.
+
+    STARTING -> TRAINING -> FINISHED
+                   |  a worker died
+                   v
+               QUIESCING -> REFORMING -> RESTORING -> TRAINING
+                   ^             |            |
+                   +-------------+------------+  a worker died during recovery (cascading)
+
+Deciding is separate from acting: the mechanism's pure `plan()` says what to do after a
+failure, the controller carries it out and times every recovery phase.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch.distributed as dist
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from failbench_ray.checks import Resolved
+from failbench_ray.errors import RecoveryError
+from failbench_ray.records import CheckpointEvent, FailureRecord, StepRecord
+from failbench_ray.worker import JoinInfo, RunReport
+from failbench_ray.worker_group import Placement, WorkerGroup
+from injector.chaos import ChaosActor
+from mechanisms.base import FailureContext, RecoveryPlan, RestoreInstruction
+
+_POLL_S = 0.5
+
+
+class State(str, Enum):
+    STARTING = "starting"
+    TRAINING = "training"
+    QUIESCING = "quiescing"
+    REFORMING = "reforming"
+    RESTORING = "restoring"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+@dataclass
+class TrialOutcome:
+    status: str  # "completed" or "failed"
+    records: list[StepRecord] = field(default_factory=list)
+    checkpoints: list[CheckpointEvent] = field(default_factory=list)
+    failures: list[FailureRecord] = field(default_factory=list)
+    params_digest: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Gathered:
+    values: dict[int, Any] = field(default_factory=dict)
+    dead: set[int] = field(default_factory=set)
+    errors: dict[int, str] = field(default_factory=dict)
+
+
+class TrialController:
+    def __init__(
+        self,
+        resolved: Resolved,
+        *,
+        run_dir: Path,
+        placement: Placement,
+        label: str,
+        inject: bool,
+        store_host: str = "127.0.0.1",
+        on_progress: Callable[[int], None] = lambda step: None,
+    ) -> None:
+        self.spec = resolved.spec
+        self.mech = resolved.mech
+        self.layout = resolved.arch.layout()
+        self.run_dir = run_dir
+        self.placement = placement
+        self.label = label
+        self.events = list(self.spec.failures.events) if inject else []
+        self.store_host = store_host
+        self.on_progress = on_progress
+        self.state = State.STARTING
+        self.outcome = TrialOutcome("running")
+        self.generation = -1
+        self.committed = 0  # last step every live rank completed
+        self.recoveries = 0
+        self.dead: set[int] = set()
+        self.open: list[FailureRecord] = []  # failures whose recovery is not done yet
+        self.seen_injections: set[int] = set()
+        self.injected_ranks: set[int] = set()
+        self.pending: dict[int, Any] = {}  # rank -> ObjectRef of a running `run()`
+        self.plan: RecoveryPlan | None = None
+        self.store: dist.TCPStore | None = None
+        self.chaos: Any = None
+        self.group: WorkerGroup | None = None
+
+    # -- driving ---------------------------------------------------------------------------
+    def run(self) -> TrialOutcome:
+        handlers = {
+            State.STARTING: self._starting,
+            State.TRAINING: self._training,
+            State.QUIESCING: self._quiescing,
+            State.REFORMING: self._reforming,
+            State.RESTORING: self._restoring,
+        }
+        try:
+            while self.state not in (State.FINISHED, State.FAILED):
+                self.state = handlers[self.state]()
+        except RecoveryError as err:
+            self.state, self.outcome.error = State.FAILED, str(err)
+        finally:
+            self.close()
+        self.outcome.status = "completed" if self.state == State.FINISHED else "failed"
+        return self.outcome
+
+    def close(self) -> None:
+        """Stop every actor of this trial (also on Ctrl-C)."""
+        if self.chaos is not None:
+            ray.kill(self.chaos, no_restart=True)
+            self.chaos = None
+        if self.group is not None:
+            self.group.shutdown()
+        self.store = None
+
+    # -- states ----------------------------------------------------------------------------
+    def _starting(self) -> State:
+        self.store = dist.TCPStore(self.store_host, 0, is_master=True, wait_for_workers=False)
+        self.chaos = ChaosActor.remote([e.model_dump() for e in self.events])  # type: ignore[attr-defined]
+        self.group = WorkerGroup(self.spec, self.run_dir, self.chaos, self.placement, self.label)
+        self.group.start(list(range(self.spec.world_size)))
+        ray.get(self.chaos.set_targets.remote(self.group.targets()))
+        got = self._join_all()
+        if not got.dead and not got.errors:
+            got = self._on_all(lambda h: h.restore.remote(RestoreInstruction("scratch", 0)))
+        if got.dead:
+            return self._detected(got.dead)
+        if got.errors:
+            rank, err = next(iter(got.errors.items()))
+            raise RecoveryError(f"rank {rank} could not start: {err}")
+        ray.get(self.chaos.start.remote())
+        return State.TRAINING
+
+    def _training(self) -> State:
+        assert self.group is not None
+        fired = set(ray.get(self.chaos.fired.remote()))
+        self.pending = {
+            r: h.run.remote(self.committed + 1, self.spec.steps, self._armed(r, fired))
+            for r, h in self.group.handles.items()
+        }
+        reports: dict[int, RunReport] = {}
+        last_poll = time.monotonic()
+        while self.pending:
+            ready, _ = ray.wait(list(self.pending.values()), num_returns=1, timeout=_POLL_S)
+            got = self._collect(ready)
+            reports.update(got.values)
+            self._absorb(got.values.values())
+            if got.dead:
+                return self._detected(got.dead)
+            if got.errors:
+                rank, err = next(iter(got.errors.items()))
+                raise RecoveryError(f"rank {rank} failed: {err}")
+            if time.monotonic() - last_poll >= _POLL_S:
+                last_poll = time.monotonic()
+                self._poll_progress()
+        aborted = [r for r in reports.values() if r.status != "completed"]
+        if aborted:
+            raise RecoveryError(
+                f"rank {aborted[0].rank} stopped with no dead peer: {aborted[0].reason}"
+            )
+        self.on_progress(self.spec.steps)
+        self.outcome.params_digest = self._digest()
+        return State.FINISHED
+
+    def _quiescing(self) -> State:
+        assert self.group is not None
+        self._phase_trigger("quiescing")
+        alive = [r for r in self.pending if r not in self.dead]
+        if self.spec.quiesce == "abort":
+            for r in alive:
+                self.group.handles[r].abort.remote()
+        elif self.spec.quiesce == "kill_survivors":
+            self._kill_survivors(alive)
+        got = self._collect(list(self.pending.values()), wait_all=True)
+        self._absorb(got.values.values())
+        t = time.time()
+        survivors = [rep.last_step for r, rep in got.values.items() if r not in got.dead]
+        if survivors:
+            self.committed = min(survivors)
+        if got.dead - self.dead:
+            self._detected(got.dead - self.dead)
+        self._stamp("quiesced", t)
+        for f in self.open:
+            if f.injected_at_step < 0:
+                f.injected_at_step = self.committed + 1
+        return State.REFORMING
+
+    def _reforming(self) -> State:
+        assert self.group is not None
+        self.recoveries += 1
+        if self.recoveries > self.spec.max_recoveries:
+            raise RecoveryError(
+                f"gave up after {self.spec.max_recoveries} recoveries (raise max_recoveries)"
+            )
+        self._phase_trigger("reforming")
+        plan = self.mech.plan(self._failure_context())
+        missing = self.dead - set(plan.replace)
+        if missing:
+            raise RecoveryError(f"{self.mech.name}'s plan leaves dead ranks {sorted(missing)}")
+        self.plan = plan
+        self.group.kill([r for r in plan.replace if r not in self.dead])
+        self.group.start(list(plan.replace))
+        self.dead -= set(plan.replace)
+        ray.get(self.chaos.set_targets.remote(self.group.targets()))
+        got = self._on_all(lambda h: h.ready.remote())
+        if not got.dead:
+            got = self._join_all()
+        if got.dead:
+            return self._detected(got.dead)
+        if got.errors:  # a rendezvous timed out: try the whole re-formation again
+            return State.REFORMING
+        self._stamp("reformed", time.time())
+        return State.RESTORING
+
+    def _restoring(self) -> State:
+        assert self.plan is not None
+        self._phase_trigger("restoring")
+        instruction = RestoreInstruction(self.plan.source, self.plan.restore_step)
+        got = self._on_all(lambda h: h.restore.remote(instruction))
+        for events in got.values.values():
+            self.outcome.checkpoints += events
+        if got.dead:
+            return self._detected(got.dead)
+        if got.errors:
+            raise RecoveryError(f"restore failed: {next(iter(got.errors.values()))}")
+        t = time.time()
+        self._stamp("restored", t)
+        for f in self.open:
+            f.restored_from_step = self.plan.restore_step
+            f.restore_source = (
+                f"{self.plan.source}: {self.plan.note}" if self.plan.note else self.plan.source
+            )
+        self.open = []
+        self.committed = self.plan.restore_step
+        self._phase_trigger("resuming")
+        return State.TRAINING
+
+    # -- failures --------------------------------------------------------------------------
+    def _detected(self, dead: set[int]) -> State:
+        """Record newly dead ranks as failures (from the chaos actor's log) and go quiesce."""
+        t_detect = time.time()
+        injections = [
+            i
+            for i in ray.get(self.chaos.injections.remote())
+            if i["index"] not in self.seen_injections
+        ]
+        new: list[FailureRecord] = []
+        for inj in injections:
+            self.seen_injections.add(inj["index"])
+            step = inj["step"] if inj["step"] is not None else -1
+            new.append(
+                self._failure(
+                    inj["ranks"], inj["kill_kind"], inj["trigger"], step, inj["t_injected"]
+                )
+            )
+        self.injected_ranks |= {r for f in new for r in f.ranks}
+        unplanned = sorted(dead - self.injected_ranks - self.dead)
+        if unplanned and not new:
+            new.append(self._failure(unplanned, "unplanned", "crash", -1, t_detect))
+        for f in new:
+            f.phases["detected"] = t_detect - f.t_injected
+            for old in self.open:
+                old.interrupted_by = (
+                    old.interrupted_by if old.interrupted_by is not None else f.index
+                )
+        self.open += new
+        self.dead |= dead
+        return State.QUIESCING
+
+    def _failure(
+        self, ranks: list[int], kind: str, trigger: str, step: int, t: float
+    ) -> FailureRecord:
+        f = FailureRecord(
+            index=len(self.outcome.failures),
+            ranks=list(ranks),
+            kill_kind=kind,
+            trigger=trigger,
+            injected_at_step=step,
+            t_injected=t,
+            quiesce=self.spec.quiesce,
+        )
+        self.outcome.failures.append(f)
+        return f
+
+    def _failure_context(self) -> FailureContext:
+        steps = [f.injected_at_step for f in self.open] or [self.committed + 1]
+        return FailureContext(
+            world_size=self.spec.world_size,
+            dead=frozenset(self.dead),
+            layout=self.layout,
+            committed_step=self.committed,
+            failure_step=max(steps),
+            quiesce=self.spec.quiesce,
+            latest_checkpoint=self.mech.latest_checkpoint(self.run_dir, self.layout),
+        )
+
+    def _phase_trigger(self, phase: str) -> None:
+        """Let the chaos actor fire a cascading failure as this recovery phase starts."""
+        ray.get(self.chaos.on_phase.remote(phase, self.committed))
+
+    def _stamp(self, phase: str, t: float) -> None:
+        for f in self.open:
+            if f.phases.get(phase) is None:
+                f.phases[phase] = t - f.t_injected
+
+    def _kill_survivors(self, alive: list[int]) -> None:
+        assert self.group is not None
+        for r in alive:
+            try:
+                records, checkpoints = ray.get(self.group.handles[r].drain.remote(), timeout=5)
+            except (RayActorError, GetTimeoutError):
+                continue
+            self.outcome.records += records
+            self.outcome.checkpoints += checkpoints
+            self.committed = max(self.committed, max((rec.step for rec in records), default=0))
+        self.group.kill(alive)
+        self.dead |= set(alive)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _armed(self, rank: int, fired: set[int]) -> dict[tuple[str, int], int]:
+        armed = {}
+        for i, e in enumerate(self.events):
+            point = e.worker_point
+            if point is not None and rank in e.ranks and i not in fired:
+                armed[point] = i
+        return armed
+
+    def _join_all(self) -> _Gathered:
+        self.generation += 1
+        info = JoinInfo(
+            generation=self.generation,
+            store_host=self.store_host,
+            store_port=self.store.port if self.store is not None else 0,
+            world_size=self.spec.world_size,
+            backend=self.placement.backend,
+            device=self.placement.device,
+        )
+        return self._on_all(lambda h: h.join.remote(info))
+
+    def _on_all(self, call: Callable[[Any], Any]) -> _Gathered:
+        assert self.group is not None
+        refs = {r: call(h) for r, h in self.group.handles.items() if r not in self.dead}
+        self.pending = refs
+        return self._collect(list(refs.values()), wait_all=True)
+
+    def _collect(self, refs: list[Any], wait_all: bool = False) -> _Gathered:
+        """Results of finished calls; a dead actor's call lands in `dead`, an error in `errors`."""
+        by_ref = {ref: r for r, ref in self.pending.items()}
+        if wait_all and refs:
+            ray.wait(refs, num_returns=len(refs))
+        got = _Gathered()
+        for ref in refs:
+            rank = by_ref[ref]
+            self.pending.pop(rank, None)
+            try:
+                got.values[rank] = ray.get(ref)
+            except RayActorError:
+                got.dead.add(rank)
+            except Exception as err:  # noqa: BLE001  (a rank's error is data, not a crash)
+                got.errors[rank] = f"{type(err).__name__}: {err}".splitlines()[0]
+        return got
+
+    def _absorb(self, reports: Any) -> None:
+        for rep in reports:
+            if isinstance(rep, RunReport):
+                self.outcome.records += rep.records
+                self.outcome.checkpoints += rep.checkpoints
+
+    def _poll_progress(self) -> None:
+        assert self.group is not None
+        live = sorted(set(self.group.handles) - self.dead)
+        with contextlib.suppress(RayActorError, GetTimeoutError):
+            self.on_progress(ray.get(self.group.handles[live[0]].progress.remote(), timeout=2))
+
+    def _digest(self) -> str:
+        """Digest of the whole model: each shard's digest, replicas checked against each other."""
+        got = self._on_all(lambda h: h.digest.remote())
+        if got.dead or got.errors:
+            raise RecoveryError(f"computing the final digest failed: {got.errors or got.dead}")
+        h = hashlib.sha256()
+        for shard, group in zip(self.layout.shard_ids(), self.layout.replica_groups(), strict=True):
+            digests = {got.values[r] for r in group}
+            if len(digests) != 1:
+                self.outcome.error = f"replicas of shard {shard} diverged across ranks {group}"
+                return "diverged"
+            h.update(digests.pop().encode())
+        return h.hexdigest()

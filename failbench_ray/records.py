@@ -1,0 +1,66 @@
+"""What a trial produces: step records, checkpoint events and failures (recovery events).
+
+These are plain frozen dataclasses: they cross actor boundaries (pickled by Ray) and are written
+to SQL by `failbench_ray.storage`. The result JSON (`failbench_ray.results`) is derived from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The recovery phases of one failure, in order. Each is timed in seconds after the injection.
+PHASES: tuple[str, ...] = ("detected", "quiesced", "reformed", "restored", "resumed", "caught_up")
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One optimizer step on one rank."""
+
+    rank: int
+    step: int  # 1-based: the state after this record holds `step` completed updates
+    generation: int  # process-group generation (0 at start, +1 after each re-formation)
+    loss: float
+    t_start: float  # wall clock (time.time()) when the step began
+    t_end: float  # wall clock when the step and the mechanism's after-step hook were done
+    samples: int  # samples this rank consumed in this step
+    blocked_s: float = 0.0  # part of the step spent in the mechanism's after-step hook
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointEvent:
+    """A checkpoint save or restore on one rank."""
+
+    rank: int
+    step: int
+    kind: str  # "save" or "restore"
+    nbytes: int
+    duration_s: float
+    t_end: float
+    path: str = ""
+
+
+@dataclass(slots=True)
+class FailureRecord:
+    """One injected failure and the recovery that followed it (a recovery event).
+
+    Phase times are seconds after `t_injected`; None when the phase was never reached (for
+    example when a cascading failure interrupted this recovery).
+    """
+
+    index: int
+    ranks: list[int]
+    kill_kind: str
+    trigger: str  # e.g. "step=25", "t=3.0s", "during=restoring"
+    injected_at_step: int  # the step in flight (or the committed step, for a kill in recovery)
+    t_injected: float
+    quiesce: str = ""
+    restore_source: str = ""
+    restored_from_step: int | None = None
+    phases: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(PHASES))
+    interrupted_by: int | None = None  # index of a cascading failure that cut this recovery short
+
+    @property
+    def lost_steps(self) -> int | None:
+        if self.restored_from_step is None:
+            return None
+        return max(0, self.injected_at_step - self.restored_from_step)

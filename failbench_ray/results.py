@@ -1,0 +1,193 @@
+"""The result JSON (a contract other tools read) and the pure analysis that produces it.
+
+Everything here is a pure function of step records and failure records, so it is tested without
+Ray. `step_time_s` is the steady-state median; `overhead_pct` compares *mean* steady-state step
+times, because a periodic cost (a checkpoint every K steps) is invisible to a median.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from failbench_ray.records import PHASES, FailureRecord, StepRecord
+
+
+class PhaseTimes(BaseModel):
+    """Seconds after the injection at which each recovery phase ended (None: not reached)."""
+
+    detected_s: float | None = None
+    quiesced_s: float | None = None
+    reformed_s: float | None = None
+    restored_s: float | None = None
+    resumed_s: float | None = None
+    caught_up_s: float | None = None
+
+
+class FailureResult(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    ranks: list[int]
+    kill_kind: str
+    trigger: str
+    injected_at_step: int
+    restored_from_step: int | None
+    lost_steps: int | None
+    quiesce: str
+    restore_source: str
+    interrupted_by: int | None = None
+    phases: PhaseTimes
+
+
+class BaselineResult(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    status: str
+    step_time_s: float | None
+    mean_step_time_s: float | None = None
+    final_loss: float | None
+    params_digest: str | None
+
+
+class TrialResult(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    trial: int
+    status: str
+    step_time_s: float | None
+    mean_step_time_s: float | None = None
+    overhead_pct: float | None
+    final_loss: float | None
+    params_digest: str | None
+    matches_baseline: bool | None
+    match_expected: bool = False
+    error: str | None = None
+    failures: list[FailureResult] = Field(default_factory=list)
+
+
+class ExperimentResult(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    experiment_id: str
+    status: str
+    spec: dict[str, Any]
+    baseline: BaselineResult | None
+    trials: list[TrialResult]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure analysis
+
+
+def step_durations(records: Iterable[StepRecord]) -> dict[tuple[int, int], float]:
+    """Duration of each (generation, step): the slowest rank's, since ranks wait for it."""
+    out: dict[tuple[int, int], float] = {}
+    for r in records:
+        key = (r.generation, r.step)
+        out[key] = max(out.get(key, 0.0), r.t_end - r.t_start)
+    return out
+
+
+def steady_state_steps(
+    records: Sequence[StepRecord],
+    failures: Sequence[FailureRecord],
+    warmup_steps: int,
+) -> list[float]:
+    """Durations of the steady-state steps.
+
+    Excluded: the first `warmup_steps` of every generation (first steps after a (re)wrap are slow:
+    lazy imports, bucket rebuilds) and every step replayed or in flight during a recovery.
+    """
+    excluded: set[int] = set()
+    for f in failures:
+        lo = f.restored_from_step if f.restored_from_step is not None else f.injected_at_step
+        excluded.update(range(lo + 1, f.injected_at_step + 1))
+    first_step: dict[int, int] = {}
+    for r in records:
+        first_step[r.generation] = min(first_step.get(r.generation, r.step), r.step)
+    durations = step_durations(records)
+    return [
+        d
+        for (gen, step), d in sorted(durations.items())
+        if step >= first_step[gen] + warmup_steps and step not in excluded
+    ]
+
+
+def median_or_none(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def mean_or_none(values: Sequence[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def overhead_pct(mean_step_s: float | None, baseline_mean_step_s: float | None) -> float | None:
+    if mean_step_s is None or not baseline_mean_step_s:
+        return None
+    return 100.0 * (mean_step_s / baseline_mean_step_s - 1.0)
+
+
+def final_loss(records: Sequence[StepRecord]) -> float | None:
+    """Mean over ranks of the loss at the last step of the last generation that reached it."""
+    if not records:
+        return None
+    last = max(r.step for r in records)
+    at_last = [r for r in records if r.step == last]
+    gen = max(r.generation for r in at_last)
+    losses = [r.loss for r in at_last if r.generation == gen]
+    return statistics.fmean(losses)
+
+
+def fill_resume_phases(failures: Sequence[FailureRecord], records: Sequence[StepRecord]) -> None:
+    """Set `resumed` and `caught_up` of each failure from the step records.
+
+    resumed: the first step after the restore is done on every rank of the new generation;
+    caught up: the step that was in flight at the failure is done again on every rank.
+    """
+    done: dict[tuple[int, int], float] = defaultdict(float)
+    for r in records:
+        key = (r.generation, r.step)
+        done[key] = max(done[key], r.t_end)
+    for f in failures:
+        if f.restored_from_step is None or f.interrupted_by is not None:
+            continue
+        gens = sorted({g for (g, s) in done if s == f.restored_from_step + 1})
+        later = [g for g in gens if done[(g, f.restored_from_step + 1)] > f.t_injected]
+        if not later:
+            continue
+        gen = later[0]
+        f.phases["resumed"] = done[(gen, f.restored_from_step + 1)] - f.t_injected
+        target = max(f.injected_at_step, f.restored_from_step + 1)
+        t_caught = next(
+            (done[(g, target)] for g in sorted(gens) if g >= gen and (g, target) in done), None
+        )
+        if t_caught is not None:
+            f.phases["caught_up"] = t_caught - f.t_injected
+
+
+def failure_result(f: FailureRecord) -> FailureResult:
+    return FailureResult(
+        ranks=list(f.ranks),
+        kill_kind=f.kill_kind,
+        trigger=f.trigger,
+        injected_at_step=f.injected_at_step,
+        restored_from_step=f.restored_from_step,
+        lost_steps=f.lost_steps,
+        quiesce=f.quiesce,
+        restore_source=f.restore_source,
+        interrupted_by=f.interrupted_by,
+        phases=PhaseTimes(**{f"{p}_s": f.phases.get(p) for p in PHASES}),
+    )
+
+
+def matches_baseline(
+    digest: str | None, baseline_digest: str | None, match_expected: bool
+) -> bool | None:
+    """The correctness oracle: True/False where an exact match is expected, else None."""
+    if not match_expected or digest is None or baseline_digest is None:
+        return None
+    return digest == baseline_digest

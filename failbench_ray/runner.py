@@ -1,0 +1,204 @@
+"""Runs one experiment: the matched baseline, then the trials; everything lands in SQL.
+
+The baseline is the same spec with mechanism `none` and no failures. The result JSON is read
+back from the database (`repo.load_result`), so `failbench run --json` and `failbench show`
+print the same thing.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from failbench_ray import results
+from failbench_ray.checks import Resolved, resolve
+from failbench_ray.controller import TrialController, TrialOutcome
+from failbench_ray.models import param_count
+from failbench_ray.results import ExperimentResult
+from failbench_ray.runtime import node_ip
+from failbench_ray.spec import ExperimentSpec, FailureTrace, PartSpec
+from failbench_ray.storage import repo
+from failbench_ray.storage.db import Database
+from failbench_ray.worker_group import Placement, choose_placement
+
+
+@dataclass(frozen=True)
+class TrialSummary:
+    status: str
+    step_time_s: float | None
+    mean_step_time_s: float | None
+    final_loss: float | None
+    params_digest: str | None
+
+
+ProgressFn = Callable[[str, int, int], None]  # (trial label, step, total steps)
+
+
+def baseline_spec(spec: ExperimentSpec) -> ExperimentSpec:
+    return spec.model_copy(update={"mechanism": PartSpec(name="none"), "failures": FailureTrace()})
+
+
+def run_experiment(
+    spec: ExperimentSpec,
+    *,
+    db: Database,
+    out_dir: Path = Path("runs"),
+    progress: ProgressFn = lambda label, step, total: None,
+    keep_checkpoints: bool = False,
+    on_created: Callable[[str], None] = lambda experiment_id: None,
+) -> ExperimentResult:
+    """Run `spec` on the connected Ray cluster. Raises SpecError before anything starts."""
+    resolved = resolve(spec)
+    base = resolve(baseline_spec(spec))
+    with db.session() as s:
+        exp_id = repo.create_experiment(
+            s,
+            spec=spec.model_dump(mode="json"),
+            architecture=spec.architecture.name,
+            mechanism=spec.mechanism.name,
+            name=spec.name,
+            status="running",
+        )
+    on_created(exp_id)
+    exp_dir = out_dir / exp_id
+    runner = _Runner(db, exp_id, exp_dir, progress, keep_checkpoints)
+    try:
+        ok = runner.run_all(resolved, base)
+    except KeyboardInterrupt:
+        with db.session() as s:
+            repo.mark_interrupted(s, exp_id, "interrupted (Ctrl-C)")
+        raise
+    except BaseException as err:
+        with db.session() as s:
+            repo.set_experiment_status(s, exp_id, "failed", error=f"{type(err).__name__}: {err}")
+        raise
+    with db.session() as s:
+        repo.set_experiment_status(s, exp_id, "completed" if ok else "failed")
+        result = repo.load_result(s, exp_id)
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    (exp_dir / "result.json").write_text(json.dumps(result.model_dump(mode="json"), indent=2))
+    return result
+
+
+class _Runner:
+    def __init__(
+        self, db: Database, exp_id: str, exp_dir: Path, progress: ProgressFn, keep: bool
+    ) -> None:
+        self.db = db
+        self.exp_id = exp_id
+        self.exp_dir = exp_dir
+        self.progress = progress
+        self.keep = keep
+        self.baseline: TrialSummary | None = None
+
+    def run_all(self, resolved: Resolved, base: Resolved) -> bool:
+        spec = resolved.spec
+        placement = choose_placement(spec.world_size, ray.cluster_resources())
+        ok = True
+        if spec.baseline:
+            self.baseline = self.run_trial(base, "baseline", 0, placement, inject=False)
+            ok = self.baseline.status == "completed"
+        for i in range(spec.trials):
+            ok = (
+                self.run_trial(resolved, "trial", i, placement, inject=True).status == "completed"
+                and ok
+            )
+        return ok
+
+    def run_trial(
+        self, resolved: Resolved, kind: str, index: int, placement: Placement, *, inject: bool
+    ) -> TrialSummary:
+        spec = resolved.spec
+        with self.db.session() as s:
+            trial_id = repo.create_trial(s, experiment_id=self.exp_id, kind=kind, index=index)
+        label = f"{kind}{index}"
+        run_dir = self.exp_dir / label
+        controller = TrialController(
+            resolved,
+            run_dir=run_dir,
+            placement=placement,
+            label=f"fb-{self.exp_id[:8]}-{label}",
+            inject=inject,
+            store_host=node_ip(),
+            on_progress=lambda step: self.progress(label, step, spec.steps),
+        )
+        try:
+            outcome = controller.run()
+        except KeyboardInterrupt:
+            self._save(trial_id, controller.outcome, resolved, kind, status="interrupted")
+            raise
+        summary = self._save(trial_id, outcome, resolved, kind, status=outcome.status)
+        if not self.keep:
+            shutil.rmtree(run_dir / "ckpt", ignore_errors=True)
+        return summary
+
+    def _save(
+        self, trial_id: int, outcome: TrialOutcome, resolved: Resolved, kind: str, *, status: str
+    ) -> TrialSummary:
+        spec = resolved.spec
+        results.fill_resume_phases(outcome.failures, outcome.records)
+        steady = results.steady_state_steps(outcome.records, outcome.failures, spec.warmup_steps)
+        summary = TrialSummary(
+            status=status,
+            step_time_s=results.median_or_none(steady),
+            mean_step_time_s=results.mean_or_none(steady),
+            final_loss=results.final_loss(outcome.records) if status == "completed" else None,
+            params_digest=outcome.params_digest,
+        )
+        match_expected = kind == "trial" and resolved.mech.match_expected(resolved.arch)
+        base = self.baseline
+        extra = _extras(resolved, outcome, steady)
+        with self.db.session() as s:
+            repo.add_step_records(s, trial_id, outcome.records)
+            repo.add_failures(s, trial_id, outcome.failures)
+            repo.add_checkpoint_events(s, trial_id, outcome.checkpoints)
+            repo.finish_trial(
+                s,
+                trial_id,
+                status=status,
+                step_time_s=summary.step_time_s,
+                mean_step_time_s=summary.mean_step_time_s,
+                overhead_pct=results.overhead_pct(
+                    summary.mean_step_time_s, base.mean_step_time_s if base else None
+                )
+                if kind == "trial"
+                else None,
+                final_loss=summary.final_loss,
+                params_digest=summary.params_digest,
+                matches_baseline=results.matches_baseline(
+                    summary.params_digest, base.params_digest if base else None, match_expected
+                ),
+                match_expected=match_expected,
+                error=outcome.error,
+                extra=extra,
+            )
+        return summary
+
+
+def _extras(resolved: Resolved, outcome: TrialOutcome, steady: list[float]) -> dict[str, Any]:
+    spec = resolved.spec
+    saves = [c for c in outcome.checkpoints if c.kind == "save"]
+    restores = [c for c in outcome.checkpoints if c.kind == "restore"]
+    mean = results.mean_or_none(steady)
+    optimizer_slots = {"sgd": 1 if spec.optimizer.momentum else 0, "adam": 2, "adamw": 2}
+    n = param_count(spec.model)
+    return {
+        "steady_steps": len(steady),
+        "samples_per_s": spec.batch_size / mean if mean else None,
+        "state_bytes_per_rank": 4 * n * (1 + optimizer_slots[spec.optimizer.name]),
+        "recoveries": sum(f.restored_from_step is not None for f in outcome.failures),
+        "checkpoint": {
+            "saves": len(saves),
+            "bytes_saved": sum(c.nbytes for c in saves),
+            "save_s_mean": results.mean_or_none([c.duration_s for c in saves]),
+            "blocked_s_total": sum(r.blocked_s for r in outcome.records),
+            "restores": len(restores),
+            "restore_s_max": max((c.duration_s for c in restores), default=None),
+        },
+    }

@@ -1,0 +1,240 @@
+"""The experiment spec: what to run. Loaded from YAML or JSON (the same schema as the REST API).
+
+Field-level checks live here (pydantic); checks that need the registries (an architecture's own
+parameters, a mechanism's applicability, a trace's shape) live in `failbench_ray.checks`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from failbench_ray.errors import SpecError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    """The model trained. Size knobs reach from KBs to GBs of state per rank."""
+
+    kind: Literal["mlp", "transformer"] = Field(
+        "mlp", description="`mlp` or a GPT-style `transformer`."
+    )
+    input_dim: int = Field(64, ge=1, description="mlp: input features.")
+    hidden_dim: int = Field(256, ge=1, description="mlp: width of the hidden layers.")
+    depth: int = Field(4, ge=1, description="mlp: number of hidden layers.")
+    num_classes: int = Field(10, ge=2, description="mlp: classes of the synthetic task.")
+    vocab_size: int = Field(128, ge=2, description="transformer: vocabulary size.")
+    d_model: int = Field(64, ge=1, description="transformer: embedding width.")
+    n_layers: int = Field(2, ge=1, description="transformer: number of blocks.")
+    n_heads: int = Field(4, ge=1, description="transformer: attention heads (divide d_model).")
+    seq_len: int = Field(32, ge=2, description="transformer: tokens per sample.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelSpec:
+        if self.kind == "transformer" and self.d_model % self.n_heads:
+            raise ValueError(
+                f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}"
+            )
+        return self
+
+
+class OptimizerSpec(_Strict):
+    name: Literal["sgd", "adam", "adamw"] = Field("sgd", description="torch.optim optimizer.")
+    lr: float = Field(0.05, gt=0, description="Learning rate.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="sgd momentum.")
+    weight_decay: float = Field(0.0, ge=0, description="Weight decay.")
+
+
+class PartSpec(_Strict):
+    """A registered part (architecture or mechanism) and its own parameters."""
+
+    name: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, data: Any) -> Any:
+        # `architecture: ddp` is shorthand for `architecture: {name: ddp}`.
+        return {"name": data} if isinstance(data, str) else data
+
+
+# Recovery phases a cascading failure can be triggered by (the kill lands as the phase starts).
+RECOVERY_TRIGGERS: tuple[str, ...] = ("quiescing", "reforming", "restoring", "resuming")
+# A worker-side trigger: in the middle of writing the checkpoint of `at_step`.
+CHECKPOINT_WRITE = "checkpoint_write"
+
+
+class FailureEvent(_Strict):
+    """One injection: which ranks die, how, and what triggers it (exactly one trigger)."""
+
+    ranks: list[int] = Field(min_length=1, description="Ranks killed at the same instant.")
+    at_step: int | None = Field(None, ge=1, description="Kill while this step is in flight.")
+    at_seconds: float | None = Field(
+        None, ge=0, description="Kill this long after the trial starts."
+    )
+    during: str | None = Field(
+        None,
+        description="Cascading: kill when the recovery from the previous failure enters this "
+        "phase (quiescing, reforming, restoring, resuming).",
+    )
+    kill: str = Field("sigkill", description="Kill kind: sigkill, ray_kill or exit.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rank_shorthand(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "rank" in data:
+            data = dict(data)
+            data["ranks"] = [data.pop("rank")]
+        return data
+
+    @model_validator(mode="after")
+    def _one_trigger(self) -> FailureEvent:
+        if self.during == CHECKPOINT_WRITE:
+            if self.at_step is None or self.at_seconds is not None:
+                raise ValueError(
+                    "during=checkpoint_write needs at_step (the step whose checkpoint is "
+                    "being written) and no at_seconds"
+                )
+            return self
+        triggers = [t for t in (self.at_step, self.at_seconds, self.during) if t is not None]
+        if len(triggers) != 1:
+            raise ValueError("each failure event needs exactly one of at_step, at_seconds, during")
+        if self.during is not None and self.during not in RECOVERY_TRIGGERS:
+            valid = ", ".join((*RECOVERY_TRIGGERS, CHECKPOINT_WRITE))
+            raise ValueError(f"during={self.during!r} is not a trigger; valid: {valid}")
+        return self
+
+    @property
+    def trigger(self) -> str:
+        if self.during == CHECKPOINT_WRITE:
+            return f"during=checkpoint_write@{self.at_step}"
+        if self.at_step is not None:
+            return f"step={self.at_step}"
+        if self.at_seconds is not None:
+            return f"t={self.at_seconds:g}s"
+        return f"during={self.during}"
+
+    @property
+    def worker_point(self) -> tuple[str, int] | None:
+        """(where, step) for a trigger that fires inside a worker, else None."""
+        if self.during == CHECKPOINT_WRITE and self.at_step is not None:
+            return (CHECKPOINT_WRITE, self.at_step)
+        if self.at_step is not None:
+            return ("step", self.at_step)
+        return None
+
+
+class FailureTrace(_Strict):
+    """The failure schedule of every trial (the baseline runs without it)."""
+
+    kind: str = Field("none", description="none, single, concurrent or cascading.")
+    events: list[FailureEvent] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _event_shorthand(cls, data: Any) -> Any:
+        # `{kind: single, rank: 3, at_step: 25}` is shorthand for one event.
+        if not isinstance(data, dict):
+            return data
+        keys = {"rank", "ranks", "at_step", "at_seconds", "during", "kill"}
+        inline = {k: v for k, v in data.items() if k in keys}
+        if inline:
+            rest = {k: v for k, v in data.items() if k not in keys}
+            rest["events"] = [inline, *rest.get("events", [])]
+            return rest
+        return data
+
+
+QuiesceStrategy = Literal["abort", "kill_survivors", "wait_timeout"]
+
+
+class ExperimentSpec(_Strict):
+    """One experiment: architecture x mechanism x failure trace x model x steps x seed."""
+
+    name: str | None = Field(None, description="A label for people; not unique.")
+    architecture: PartSpec = Field(
+        default_factory=lambda: PartSpec(name="ddp"), description="Training architecture."
+    )
+    world_size: int = Field(4, ge=2, description="Number of worker actors (ranks).")
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    steps: int = Field(60, ge=1, description="Optimizer steps per trial.")
+    batch_size: int = Field(
+        64, ge=1, description="Global batch size (split over data-parallel ranks)."
+    )
+    trials: int = Field(1, ge=1, description="Trials of the faulty run.")
+    seed: int = Field(0, ge=0, description="Seeds the model init and the synthetic data.")
+    mechanism: PartSpec = Field(
+        default_factory=lambda: PartSpec(name="none"), description="Fault-tolerance mechanism."
+    )
+    failures: FailureTrace = Field(default_factory=FailureTrace)
+    pg_timeout_s: float = Field(
+        1800.0, gt=0, description="Process-group (collective) timeout; torch's default is 30 min."
+    )
+    quiesce: QuiesceStrategy = Field(
+        "abort",
+        description="How survivors get out of the dead collective: `abort` (fast, keeps their "
+        "state), `kill_survivors` (fast, loses it), `wait_timeout` (what real jobs do).",
+    )
+    warmup_steps: int = Field(3, ge=0, description="Steps per generation left out of steady state.")
+    baseline: bool = Field(True, description="Run the matched no-fault baseline.")
+    max_recoveries: int = Field(8, ge=0, description="Give up a trial after this many recoveries.")
+    reform_timeout_s: float = Field(
+        60.0, gt=0, description="Timeout of the new process group's rendezvous after a failure."
+    )
+    threads_per_worker: int = Field(1, ge=1, description="torch intra-op threads per worker.")
+
+    @model_validator(mode="after")
+    def _fits(self) -> ExperimentSpec:
+        for event in self.failures.events:
+            bad = [r for r in event.ranks if not 0 <= r < self.world_size]
+            if bad:
+                raise ValueError(
+                    f"failure rank(s) {bad} outside the world: ranks are 0..{self.world_size - 1}"
+                )
+            if event.at_step is not None and event.at_step > self.steps:
+                raise ValueError(
+                    f"failure at_step={event.at_step} is past the end (steps={self.steps}); "
+                    f"use a step in 1..{self.steps}"
+                )
+        return self
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "spec"
+        msg = e["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}")
+    return "invalid spec: " + "; ".join(parts)
+
+
+def parse_spec(data: Any) -> ExperimentSpec:
+    """Validate a spec from a dict; raise SpecError with one line that says what to change."""
+    if not isinstance(data, dict):
+        raise SpecError("invalid spec: expected a mapping of fields at the top level")
+    try:
+        return ExperimentSpec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(_format_validation_error(err)) from None
+
+
+def load_spec(path: str | Path) -> ExperimentSpec:
+    """Load a spec from a .yaml/.yml/.json file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as err:
+        raise SpecError(f"cannot read spec {p}: {err.strerror}") from None
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        raise SpecError(f"cannot parse spec {p}: {err}".replace("\n", " ")) from None
+    return parse_spec(data)

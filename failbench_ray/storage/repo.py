@@ -1,0 +1,353 @@
+"""Data access: the few reads and writes the runner, the CLI and the API need.
+
+Every function takes the caller's `Session` and only flushes: the caller owns the transaction
+(`Database.session()` commits or rolls back the whole unit of work). Records are converted to
+plain Python numbers on the way in, so numpy / torch scalars never reach the driver.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import insert, select, update
+from sqlalchemy.orm import Session
+
+from failbench_ray.records import PHASES, CheckpointEvent, FailureRecord, StepRecord
+from failbench_ray.results import BaselineResult, ExperimentResult, TrialResult, failure_result
+from failbench_ray.storage.tables import (
+    EXPERIMENT_STATUSES,
+    TRIAL_KINDS,
+    TRIAL_STATUSES,
+    CheckpointEventRow,
+    Experiment,
+    RecoveryEventRow,
+    StepRecordRow,
+    Trial,
+    new_id,
+    utcnow,
+)
+
+
+class ExperimentNotFound(LookupError):
+    """Raised for an unknown experiment id (a user typo, usually)."""
+
+    def __init__(self, experiment_id: str) -> None:
+        super().__init__(f"no experiment with id {experiment_id} in this database")
+        self.experiment_id = experiment_id
+
+
+def _check(value: str, allowed: Sequence[str], what: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"unknown {what} {value!r}; expected one of: {', '.join(allowed)}")
+
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _nan_if_none(value: float | None) -> float:
+    # SQLite stores NaN as NULL; a diverged loss must come back as NaN, not None.
+    return math.nan if value is None else value
+
+
+# ---------------------------------------------------------------------------------------------
+# Experiments
+
+
+def create_experiment(
+    session: Session,
+    *,
+    spec: dict[str, Any],
+    architecture: str,
+    mechanism: str,
+    name: str | None = None,
+    status: str = "queued",
+    sweep_id: str | None = None,
+) -> str:
+    """Insert an experiment and return its new id."""
+    _check(status, EXPERIMENT_STATUSES, "experiment status")
+    now = utcnow()
+    experiment = Experiment(
+        id=new_id(),
+        name=name,
+        created_at=now,
+        updated_at=now,
+        status=status,
+        architecture=architecture,
+        mechanism=mechanism,
+        sweep_id=sweep_id,
+        spec=spec,
+    )
+    session.add(experiment)
+    session.flush()
+    return experiment.id
+
+
+def get_experiment(session: Session, experiment_id: str) -> Experiment:
+    experiment = session.get(Experiment, experiment_id)
+    if experiment is None:
+        raise ExperimentNotFound(experiment_id)
+    return experiment
+
+
+def set_experiment_status(
+    session: Session, experiment_id: str, status: str, *, error: str | None = None
+) -> None:
+    """Move an experiment to `status`; `error` replaces any earlier error (None clears it)."""
+    _check(status, EXPERIMENT_STATUSES, "experiment status")
+    experiment = get_experiment(session, experiment_id)
+    experiment.status = status
+    experiment.error = error
+    experiment.updated_at = utcnow()
+    session.flush()
+
+
+def list_experiments(
+    session: Session, *, status: str | None = None, limit: int = 50
+) -> list[Experiment]:
+    """The most recent experiments first, optionally only those with `status`."""
+    stmt = select(Experiment).order_by(Experiment.created_at.desc(), Experiment.id.desc())
+    if status is not None:
+        _check(status, EXPERIMENT_STATUSES, "experiment status")
+        stmt = stmt.where(Experiment.status == status)
+    return list(session.scalars(stmt.limit(limit)))
+
+
+def mark_interrupted(session: Session, experiment_id: str, reason: str) -> None:
+    """Close an experiment whose run died (Ctrl-C, lost driver): its running trials too."""
+    experiment = get_experiment(session, experiment_id)
+    now = utcnow()
+    session.execute(
+        update(Trial)
+        .where(Trial.experiment_id == experiment_id, Trial.status == "running")
+        .values(status="interrupted", finished_at=now, error=reason)
+    )
+    experiment.status = "interrupted"
+    experiment.error = reason
+    experiment.updated_at = now
+    session.flush()
+
+
+# ---------------------------------------------------------------------------------------------
+# Trials
+
+
+def create_trial(session: Session, *, experiment_id: str, kind: str, index: int) -> int:
+    """Insert a running trial (kind "baseline", index 0, or "trial") and return its id."""
+    _check(kind, TRIAL_KINDS, "trial kind")
+    get_experiment(session, experiment_id)  # a clear error rather than an FK violation
+    trial = Trial(
+        experiment_id=experiment_id,
+        kind=kind,
+        index=index,
+        status="running",
+        started_at=utcnow(),
+        match_expected=False,
+        extra={},
+    )
+    session.add(trial)
+    session.flush()
+    return trial.id
+
+
+def finish_trial(
+    session: Session,
+    trial_id: int,
+    *,
+    status: str,
+    step_time_s: float | None = None,
+    mean_step_time_s: float | None = None,
+    overhead_pct: float | None = None,
+    final_loss: float | None = None,
+    params_digest: str | None = None,
+    matches_baseline: bool | None = None,
+    match_expected: bool = False,
+    error: str | None = None,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Record a trial's outcome; `extra` holds result fields beyond the fixed columns."""
+    _check(status, TRIAL_STATUSES, "trial status")
+    trial = session.get(Trial, trial_id)
+    if trial is None:
+        raise LookupError(f"no trial with id {trial_id} in this database")
+    trial.status = status
+    trial.finished_at = utcnow()
+    trial.step_time_s = _opt_float(step_time_s)
+    trial.mean_step_time_s = _opt_float(mean_step_time_s)
+    trial.overhead_pct = _opt_float(overhead_pct)
+    trial.final_loss = _opt_float(final_loss)
+    trial.params_digest = params_digest
+    trial.matches_baseline = None if matches_baseline is None else bool(matches_baseline)
+    trial.match_expected = bool(match_expected)
+    trial.error = error
+    trial.extra = dict(extra or {})
+    session.flush()
+
+
+# ---------------------------------------------------------------------------------------------
+# Records of a trial
+
+
+def _step_row(trial_id: int, r: StepRecord) -> dict[str, Any]:
+    return {
+        "trial_id": trial_id,
+        "rank": int(r.rank),
+        "step": int(r.step),
+        "generation": int(r.generation),
+        "loss": float(r.loss),
+        "t_start": float(r.t_start),
+        "t_end": float(r.t_end),
+        "samples": int(r.samples),
+        "blocked_s": float(r.blocked_s),
+    }
+
+
+def _checkpoint_row(trial_id: int, e: CheckpointEvent) -> dict[str, Any]:
+    return {
+        "trial_id": trial_id,
+        "rank": int(e.rank),
+        "step": int(e.step),
+        "kind": e.kind,
+        "nbytes": int(e.nbytes),
+        "duration_s": float(e.duration_s),
+        "t_end": float(e.t_end),
+        "path": str(e.path),
+    }
+
+
+def _failure_row(trial_id: int, f: FailureRecord) -> dict[str, Any]:
+    return {
+        "trial_id": trial_id,
+        "failure_index": int(f.index),
+        "ranks": [int(r) for r in f.ranks],
+        "kill_kind": f.kill_kind,
+        "trigger": f.trigger,
+        "injected_at_step": int(f.injected_at_step),
+        "t_injected": float(f.t_injected),
+        "quiesce": f.quiesce,
+        "restore_source": f.restore_source,
+        "restored_from_step": f.restored_from_step,
+        "lost_steps": f.lost_steps,
+        "interrupted_by": f.interrupted_by,
+        **{f"{phase}_s": _opt_float(f.phases.get(phase)) for phase in PHASES},
+    }
+
+
+def add_step_records(session: Session, trial_id: int, records: Sequence[StepRecord]) -> None:
+    """Bulk insert (one executemany, not one ORM object per row): trials have many thousand."""
+    if records:
+        session.execute(insert(StepRecordRow), [_step_row(trial_id, r) for r in records])
+
+
+def add_checkpoint_events(
+    session: Session, trial_id: int, events: Sequence[CheckpointEvent]
+) -> None:
+    if events:
+        session.execute(insert(CheckpointEventRow), [_checkpoint_row(trial_id, e) for e in events])
+
+
+def add_failures(session: Session, trial_id: int, failures: Sequence[FailureRecord]) -> None:
+    """Insert a trial's failures; a failure index can be stored only once per trial."""
+    if failures:
+        session.execute(insert(RecoveryEventRow), [_failure_row(trial_id, f) for f in failures])
+
+
+def load_step_records(session: Session, trial_id: int) -> list[StepRecord]:
+    """A trial's step records in execution order: by generation, step, then rank."""
+    t = StepRecordRow
+    stmt = (
+        select(t.rank, t.step, t.generation, t.loss, t.t_start, t.t_end, t.samples, t.blocked_s)
+        .where(t.trial_id == trial_id)
+        .order_by(t.generation, t.step, t.rank, t.id)
+    )
+    return [
+        StepRecord(**{**row._mapping, "loss": _nan_if_none(row.loss)})
+        for row in session.execute(stmt)
+    ]
+
+
+def load_checkpoint_events(session: Session, trial_id: int) -> list[CheckpointEvent]:
+    """A trial's checkpoint saves and restores in the order they finished."""
+    t = CheckpointEventRow
+    stmt = (
+        select(t.rank, t.step, t.kind, t.nbytes, t.duration_s, t.t_end, t.path)
+        .where(t.trial_id == trial_id)
+        .order_by(t.t_end, t.id)
+    )
+    return [CheckpointEvent(**row._mapping) for row in session.execute(stmt)]
+
+
+def _failure_record(row: RecoveryEventRow) -> FailureRecord:
+    return FailureRecord(
+        index=row.failure_index,
+        ranks=list(row.ranks),
+        kill_kind=row.kill_kind,
+        trigger=row.trigger,
+        injected_at_step=row.injected_at_step,
+        t_injected=row.t_injected,
+        quiesce=row.quiesce,
+        restore_source=row.restore_source,
+        restored_from_step=row.restored_from_step,
+        phases={phase: getattr(row, f"{phase}_s") for phase in PHASES},
+        interrupted_by=row.interrupted_by,
+    )
+
+
+def load_failures(session: Session, trial_id: int) -> list[FailureRecord]:
+    """A trial's failures by failure index, phases keyed by `records.PHASES`."""
+    stmt = (
+        select(RecoveryEventRow)
+        .where(RecoveryEventRow.trial_id == trial_id)
+        .order_by(RecoveryEventRow.failure_index)
+    )
+    return [_failure_record(row) for row in session.scalars(stmt)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The result contract
+
+
+def _baseline_result(trial: Trial) -> BaselineResult:
+    columns = {
+        "status": trial.status,
+        "step_time_s": trial.step_time_s,
+        "mean_step_time_s": trial.mean_step_time_s,
+        "final_loss": trial.final_loss,
+        "params_digest": trial.params_digest,
+    }
+    return BaselineResult.model_validate({**trial.extra, **columns})
+
+
+def _trial_result(session: Session, trial: Trial) -> TrialResult:
+    columns = {
+        "trial": trial.index,
+        "status": trial.status,
+        "step_time_s": trial.step_time_s,
+        "mean_step_time_s": trial.mean_step_time_s,
+        "overhead_pct": trial.overhead_pct,
+        "final_loss": trial.final_loss,
+        "params_digest": trial.params_digest,
+        "matches_baseline": trial.matches_baseline,
+        "match_expected": trial.match_expected,
+        "error": trial.error,
+        "failures": [failure_result(f) for f in load_failures(session, trial.id)],
+    }
+    return TrialResult.model_validate({**trial.extra, **columns})
+
+
+def load_result(session: Session, experiment_id: str) -> ExperimentResult:
+    """The result JSON of an experiment, rebuilt from its rows (the columns win over `extra`)."""
+    experiment = get_experiment(session, experiment_id)
+    trials = session.scalars(
+        select(Trial).where(Trial.experiment_id == experiment_id).order_by(Trial.index, Trial.id)
+    ).all()
+    baseline = next((_baseline_result(t) for t in trials if t.kind == "baseline"), None)
+    return ExperimentResult(
+        experiment_id=experiment.id,
+        status=experiment.status,
+        spec=dict(experiment.spec),
+        baseline=baseline,
+        trials=[_trial_result(session, t) for t in trials if t.kind == "trial"],
+    )

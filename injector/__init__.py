@@ -1,0 +1,1 @@
+"""Failure injection: the chaos actor, kill kinds and failure trace kinds."""

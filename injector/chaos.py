@@ -1,0 +1,115 @@
+"""The chaos actor: executes a failure trace and records when each kill really happened.
+
+Three kinds of trigger:
+- a worker failpoint (`at_step`, or `during: checkpoint_write`): the victim calls `reached()`
+  and waits; once every victim of the event has arrived, all are killed at the same instant;
+- time (`at_seconds` after `start()`): a timer thread kills;
+- a recovery phase (`during`): the controller calls `on_phase()` as each phase starts, and the
+  next cascading event fires there, before the phase does any work.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import ray
+
+from failbench_ray.spec import FailureEvent
+from injector.kill_kinds import KILL_KINDS
+
+_ARRIVAL_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Injection:
+    index: int
+    ranks: list[int]
+    kill_kind: str
+    trigger: str
+    t_injected: float
+    step: int | None  # the step in flight, when the trigger knows it
+
+
+class Chaos:
+    """Plain class (wrapped by `ChaosActor`) so the logic is readable apart from Ray."""
+
+    def __init__(self, events: list[dict[str, Any]]) -> None:
+        self.events = [FailureEvent.model_validate(e) for e in events]
+        self._cond = threading.Condition()
+        self._fired: dict[int, Injection] = {}
+        self._arrived: dict[int, set[int]] = {}
+        self._targets: dict[int, tuple[int, Any]] = {}
+        self._timers: list[threading.Timer] = []
+
+    def set_targets(self, targets: dict[int, tuple[int, Any]]) -> None:
+        """rank -> (pid, actor handle) of the current worker of that rank."""
+        with self._cond:
+            self._targets.update(targets)
+
+    def start(self) -> None:
+        """Start the clock of time-triggered events."""
+        for i, e in enumerate(self.events):
+            if e.at_seconds is not None and i not in self._fired:
+                t = threading.Timer(e.at_seconds, self._fire, args=(i, None))
+                t.daemon = True
+                t.start()
+                self._timers.append(t)
+
+    def reached(self, index: int, rank: int, step: int) -> str:
+        """A victim reached its failpoint. Returns "exit" if it must end itself, else "go"."""
+        event = self.events[index]
+        with self._cond:
+            self._arrived.setdefault(index, set()).add(rank)
+            if self._arrived[index] >= set(event.ranks) and index not in self._fired:
+                self._fire_locked(index, step)
+            else:
+                self._cond.wait_for(lambda: index in self._fired, timeout=_ARRIVAL_TIMEOUT_S)
+        return "exit" if KILL_KINDS.get(event.kill).by_worker and index in self._fired else "go"
+
+    def on_phase(self, phase: str, committed_step: int) -> list[dict[str, Any]]:
+        """A recovery phase starts: fire the next cascading event that waits for it."""
+        with self._cond:
+            for i, e in enumerate(self.events):
+                if i in self._fired:
+                    continue
+                if e.during == phase and (i == 0 or i - 1 in self._fired):
+                    return [asdict(self._fire_locked(i, committed_step))]
+                break  # events fire in order
+        return []
+
+    def injections(self) -> list[dict[str, Any]]:
+        with self._cond:
+            return [asdict(self._fired[i]) for i in sorted(self._fired)]
+
+    def fired(self) -> list[int]:
+        with self._cond:
+            return sorted(self._fired)
+
+    def stop(self) -> None:
+        for t in self._timers:
+            t.cancel()
+
+    def _fire(self, index: int, step: int | None) -> None:
+        with self._cond:
+            if index not in self._fired:
+                self._fire_locked(index, step)
+
+    def _fire_locked(self, index: int, step: int | None) -> Injection:
+        event = self.events[index]
+        kind = KILL_KINDS.get(event.kill)
+        t = time.time()
+        if not kind.by_worker:
+            for rank in event.ranks:
+                pid, handle = self._targets[rank]
+                kind.kill(pid, handle)
+        inj = Injection(index, list(event.ranks), event.kill, event.trigger, t, step)
+        self._fired[index] = inj
+        self._cond.notify_all()
+        return inj
+
+
+# Threaded: victims block in `reached` while others arrive. num_cpus=0: it only waits.
+ChaosActor = ray.remote(num_cpus=0, max_concurrency=64)(Chaos)

@@ -1,0 +1,84 @@
+"""Failure trace kinds: the shapes a failure schedule may take, each checked before a run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from failbench_ray.errors import SpecError
+from failbench_ray.registry import Registry
+from failbench_ray.spec import CHECKPOINT_WRITE, FailureTrace
+
+
+@dataclass(frozen=True)
+class TraceKind:
+    name: str
+    summary: str
+    check: Callable[[FailureTrace], None]
+
+
+TRACE_KINDS: Registry[TraceKind] = Registry("trace kind")
+
+
+def _check_none(trace: FailureTrace) -> None:
+    if trace.events:
+        raise SpecError("failures.kind=none takes no events; use single, concurrent or cascading")
+
+
+def _first_is_scheduled(trace: FailureTrace, what: str) -> None:
+    first = trace.events[0]
+    if first.during is not None and first.during != CHECKPOINT_WRITE:
+        raise SpecError(
+            f"failures: the first {what} event needs at_step or at_seconds; "
+            f"`during` only triggers a later event of a cascading trace"
+        )
+
+
+def _check_single(trace: FailureTrace) -> None:
+    if len(trace.events) != 1 or len(trace.events[0].ranks) != 1:
+        raise SpecError(
+            "failures.kind=single needs exactly one event with one rank; "
+            "use concurrent for several ranks at once, cascading for a chain"
+        )
+    _first_is_scheduled(trace, "single")
+
+
+def _check_concurrent(trace: FailureTrace) -> None:
+    if len(trace.events) != 1 or len(trace.events[0].ranks) < 2:
+        raise SpecError(
+            "failures.kind=concurrent needs one event with at least 2 ranks (killed at the "
+            "same instant), e.g. {kind: concurrent, ranks: [1, 2], at_step: 25}"
+        )
+    _first_is_scheduled(trace, "concurrent")
+
+
+def _check_cascading(trace: FailureTrace) -> None:
+    if len(trace.events) < 2:
+        raise SpecError(
+            "failures.kind=cascading needs at least 2 events: one scheduled, then each later one "
+            "with `during: <phase>` of the previous recovery"
+        )
+    _first_is_scheduled(trace, "cascading")
+    for i, e in enumerate(trace.events[1:], start=1):
+        if e.during is None or e.during == CHECKPOINT_WRITE:
+            raise SpecError(
+                f"failures.events[{i}] of a cascading trace needs `during` (quiescing, reforming, "
+                "restoring or resuming): it fires while recovering from the previous failure"
+            )
+
+
+TRACE_KINDS.add("none", TraceKind("none", "no failures", _check_none))
+TRACE_KINDS.add("single", TraceKind("single", "one rank, at a step or a time", _check_single))
+TRACE_KINDS.add(
+    "concurrent", TraceKind("concurrent", "k ranks at the same instant", _check_concurrent)
+)
+TRACE_KINDS.add(
+    "cascading",
+    TraceKind(
+        "cascading", "a further failure during a phase of the last recovery", _check_cascading
+    ),
+)
+
+
+def check_trace(trace: FailureTrace) -> None:
+    TRACE_KINDS.get(trace.kind).check(trace)
