@@ -1,0 +1,66 @@
+"""Shared fixtures: one local Ray cluster per test session, real databases, leak checks."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine, text
+
+import failbench_ray  # noqa: F401  (sets the loopback-only Ray setting before Ray is imported)
+
+PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    import ray
+
+    from failbench_ray import runtime
+
+    started = runtime.connect()
+    yield
+    if started:
+        ray.shutdown()
+
+
+def alive_actors() -> list[dict[str, Any]]:
+    from ray._private import state
+
+    return [a for a in state.actors().values() if a["State"] != "DEAD"]
+
+
+@pytest.fixture
+def no_leaks(ray_cluster: None) -> Iterator[None]:
+    """Fails the test if it leaves a Ray actor alive."""
+    yield
+    import time
+
+    deadline = time.monotonic() + 10
+    while alive_actors() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    leaked = alive_actors()
+    assert not leaked, f"actors left alive: {[a.get('ActorClassName') for a in leaked]}"
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A fresh PostgreSQL database on 127.0.0.1:5432, dropped afterwards."""
+    name = f"fb_test_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'failbench.db'}"
