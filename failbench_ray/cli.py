@@ -78,6 +78,9 @@ def _run(args: argparse.Namespace) -> int:
     db = Database(args.db)
     started = runtime.connect(args.ray_address, log_to_driver=args.verbose)
     created: list[str] = []
+    # Ray prints its own messages (e.g. "(raylet) A worker died ...", which every kill causes)
+    # to sys.stdout; stdout is for the result, so they go to stderr while the run lasts.
+    result_out, sys.stdout = sys.stdout, sys.stderr
     try:
         with _progress() as progress:
             result = run_experiment(
@@ -93,6 +96,7 @@ def _run(args: argparse.Namespace) -> int:
 
             ray.shutdown()
         db.dispose()
+        sys.stdout = result_out
     return _report(result.model_dump(mode="json"), args.json)
 
 
