@@ -167,20 +167,27 @@ def _print_tables(r: dict[str, Any]) -> None:
     failures = [(tr["trial"], f) for tr in r["trials"] for f in tr["failures"]]
     if not failures:
         return
-    ft = Table(title="failures (phase times in seconds after the injection)")
-    cols = ["trial", "ranks", "kill", "trigger", "step", "restored", "lost"]
-    cols += ["detected", "quiesced", "reformed", "restored", "resumed", "caught up"]
-    for col in cols:
-        ft.add_column(col)
-    for trial, f in failures:
-        ph = f["phases"]
-        ft.add_row(
-            str(trial), ",".join(map(str, f["ranks"])), f["kill_kind"], f["trigger"],
-            str(f["injected_at_step"]), str(f["restored_from_step"]), str(f["lost_steps"]),
-            *(_fmt(ph[f"{p}_s"], 1, 3) for p in
-              ("detected", "quiesced", "reformed", "restored", "resumed", "caught_up")),
-        )  # fmt: skip
+    ft = Table(title="recovery phases, seconds after the kill")
+    ft.add_column("failure")
+    for col in _PHASE_COLUMNS:
+        ft.add_column(col.replace("_", " "), justify="right")
+    for n, (trial, f) in enumerate(failures):
+        ranks = ",".join(map(str, f["ranks"]))
+        out.print(
+            f"failure #{n} (trial {trial}): rank {ranks} {f['kill_kind']} at {f['trigger']}, "
+            f"restored from step {f['restored_from_step']} ({f['lost_steps']} steps lost), "
+            f"quiesce {f['quiesce']}"
+            + (
+                f", interrupted by #{f['interrupted_by']}"
+                if f.get("interrupted_by") is not None
+                else ""
+            )
+        )
+        ft.add_row(f"#{n}", *(_fmt(f["phases"][f"{p}_s"], 1, 3) for p in _PHASE_COLUMNS))
     out.print(ft)
+
+
+_PHASE_COLUMNS = ("detected", "quiesced", "reformed", "restored", "resumed", "caught_up")
 
 
 def _list(args: argparse.Namespace) -> int:
