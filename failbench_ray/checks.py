@@ -42,7 +42,11 @@ def resolve(spec: ExperimentSpec) -> Resolved:
     arch.check()
     check_trace(spec.failures)
     for event in spec.failures.events:
-        KILL_KINDS.get(event.kill)
+        if KILL_KINDS.get(event.kill).by_worker and event.worker_point is None:
+            raise SpecError(
+                f"kill={event.kill} needs a trigger inside the worker (at_step, or during: "
+                f"checkpoint_write), not {event.trigger}; use sigkill or ray_kill for that"
+            )
     reason = mech.not_applicable(arch)
     if reason:
         raise NotApplicableError(f"{mech.name} on {arch.name}: not applicable: {reason}")

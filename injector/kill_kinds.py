@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from dataclasses import dataclass
@@ -19,7 +20,8 @@ class KillKind:
     def kill(self, pid: int, handle: Any) -> None:
         """Executed by the chaos actor for kinds that are not `by_worker`."""
         if self.name == "sigkill":
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # already gone: nothing to kill
+                os.kill(pid, signal.SIGKILL)
         elif self.name == "ray_kill":
             import ray
 

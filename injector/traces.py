@@ -19,6 +19,9 @@ class TraceKind:
 
 TRACE_KINDS: Registry[TraceKind] = Registry("trace kind")
 
+# Recovery phases that start before the dead ranks' replacements exist.
+_BEFORE_REPLACEMENT = ("quiescing", "reforming")
+
 
 def _check_none(trace: FailureTrace) -> None:
     if trace.events:
@@ -64,6 +67,13 @@ def _check_cascading(trace: FailureTrace) -> None:
             raise SpecError(
                 f"failures.events[{i}] of a cascading trace needs `during` (quiescing, reforming, "
                 "restoring or resuming): it fires while recovering from the previous failure"
+            )
+        still_dead = set(e.ranks) & set(trace.events[i - 1].ranks)
+        if e.during in _BEFORE_REPLACEMENT and still_dead:
+            raise SpecError(
+                f"failures.events[{i}] fires during {e.during}, when rank(s) {sorted(still_dead)} "
+                "of the previous failure are still dead; kill other ranks, or use during: "
+                "restoring or resuming to kill their replacements"
             )
 
 
