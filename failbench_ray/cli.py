@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _show(args)
         return _list(args)
     except (SpecError, DatabaseError, ExperimentNotFound) as e:
-        err.print(f"error: {e}", markup=False)
+        print(f"error: {e}", file=sys.stderr)  # one line, never wrapped
         return EXIT_USAGE
 
 

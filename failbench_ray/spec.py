@@ -96,6 +96,8 @@ class FailureEvent(_Strict):
 
     @model_validator(mode="after")
     def _one_trigger(self) -> FailureEvent:
+        if len(set(self.ranks)) != len(self.ranks):
+            raise ValueError(f"ranks {self.ranks} repeat a rank; list each rank once")
         if self.during == CHECKPOINT_WRITE:
             if self.at_step is None or self.at_seconds is not None:
                 raise ValueError(
@@ -233,6 +235,8 @@ def load_spec(path: str | Path) -> ExperimentSpec:
         text = p.read_text()
     except OSError as err:
         raise SpecError(f"cannot read spec {p}: {err.strerror}") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"cannot read spec {p}: not a UTF-8 text file") from None
     try:
         data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as err:

@@ -371,7 +371,9 @@ def test_a_file_that_is_not_sqlite_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_missing_driver_is_a_clear_error() -> None:
     assert importlib.util.find_spec("pymssql") is None, "the test needs a driver that is absent"
-    with pytest.raises(DatabaseError, match=r"the driver for mssql\+pymssql://u:\*\*\*@h/db is not"):
+    with pytest.raises(
+        DatabaseError, match=r"the driver for mssql\+pymssql://u:\*\*\*@h/db is not"
+    ):
         Database("mssql+pymssql://u:pw@h/db")
 
 
