@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, text
+from sqlalchemy.exc import OperationalError
 
 import failbench_ray  # noqa: F401  (sets the loopback-only Ray setting before Ray is imported)
 
@@ -48,11 +49,16 @@ def no_leaks(ray_cluster: None) -> Iterator[None]:
 
 @pytest.fixture
 def pg_url() -> Iterator[str]:
-    """A fresh PostgreSQL database on 127.0.0.1:5432, dropped afterwards."""
-    name = f"fb_test_{uuid.uuid4().hex[:10]}"
+    """A fresh PostgreSQL database on 127.0.0.1:5432 with a random name, dropped afterwards."""
     admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    name = f"failbench_test_{uuid.uuid4().hex[:12]}"
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except OperationalError as exc:
+        admin.dispose()
+        # CI and the development machines run PostgreSQL; its absence is a failure, not a skip.
+        pytest.fail(f"PostgreSQL is not reachable at {PG_ADMIN_URL}: {exc.orig}")
     try:
         yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
     finally:

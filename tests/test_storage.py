@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import random
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,8 +12,7 @@ import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import create_engine, func, inspect, select, text
-from sqlalchemy.exc import OperationalError
+from sqlalchemy import func, inspect, select, text
 
 from failbench_ray.records import PHASES, CheckpointEvent, FailureRecord, StepRecord
 from failbench_ray.results import failure_result
@@ -29,29 +27,8 @@ from failbench_ray.storage.db import (
 )
 from failbench_ray.storage.tables import Base, Experiment, StepRecordRow, Trial
 
-PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 TABLES = {"experiments", "trials", "step_records", "recovery_events", "checkpoint_events"}
 T0 = 1_736_000_000.0  # epoch seconds: single precision would round these to 128 s
-
-
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    """A fresh PostgreSQL database with a random name, dropped afterwards."""
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    name = f"failbench_test_{uuid.uuid4().hex[:12]}"
-    try:
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{name}"'))
-    except OperationalError as exc:
-        admin.dispose()
-        # CI and the development machines run PostgreSQL; its absence is a failure, not a skip.
-        pytest.fail(f"PostgreSQL is not reachable at {PG_ADMIN_URL}: {exc.orig}")
-    try:
-        yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
