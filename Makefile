@@ -23,7 +23,7 @@ run: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy failbench_ray architectures mechanisms injector api
+	$(BIN)/mypy failbench_ray architectures mechanisms injector api bench
 
 test: $(STAMP) lint
 	$(BIN)/pytest -q

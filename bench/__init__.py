@@ -1,0 +1,1 @@
+"""The project's benchmark: `python -m bench.run --out bench/results.json` (`make bench`)."""

@@ -1,0 +1,632 @@
+"""`make bench`: measure the project's goals and write them to one JSON file.
+
+    python -m bench.run --out bench/results.json [--quick]
+
+Goals (each reported with the numbers measured, the goal, and whether it was met):
+1. detection: p50 of `detected_s` (kill -> the driver learns of the death) <= 50 ms;
+2. fast quiesce: `quiesced_s - detected_s` <= 200 ms with `quiesce: abort`, for a short and a
+   long process-group timeout (and, for contrast, one `wait_timeout` trial: no goal);
+3. harness overhead: the baseline's steady-state step time (mechanism `none`) <= 1.10 x that of
+   a plain torch DDP loop (`bench/plain_ddp.py`), measured alternately in the same run;
+4. `make run` time: `failbench run examples/quickstart.yaml` as a subprocess, < 180 s.
+
+Ray and the project's runner are imported inside functions: the plain loop's spawned processes
+import this module (it is `__main__`) and must not pay for Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from bench.procs import ForeignCpu, wait_for_no_children
+
+if TYPE_CHECKING:
+    from failbench_ray.results import ExperimentResult
+    from failbench_ray.storage.db import Database
+
+REPO = Path(__file__).resolve().parent.parent
+QUICKSTART = REPO / "examples" / "quickstart.yaml"
+
+DETECTION_GOAL_S = 0.050
+QUIESCE_GOAL_S = 0.200
+OVERHEAD_GOAL_RATIO = 1.10
+MAKE_RUN_GOAL_S = 180.0
+
+QUIESCE_TIMEOUTS_S = (5.0, 600.0)
+EXPERIMENT_LIMIT_S = 420.0  # a watchdog per experiment: a hang becomes an error, not a stall
+PLAIN_LIMIT_S = 240.0
+FOREIGN_WARN_SHARE = 0.05  # warn when other processes took more than this share of the CPUs
+MAKE_RUN_LIMIT_S = 420.0
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    quick: bool
+    trials: int  # trials per recovery experiment (detection, each quiesce timeout)
+    overhead_world: int
+    overhead_pairs: int  # (plain, harness) pairs, run alternately
+    measure_make_run: bool
+
+    @classmethod
+    def make(cls, quick: bool) -> BenchConfig:
+        if quick:
+            return cls(True, trials=2, overhead_world=4, overhead_pairs=1, measure_make_run=False)
+        return cls(False, trials=5, overhead_world=8, overhead_pairs=2, measure_make_run=True)
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100), linear interpolation between order statistics."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def describe(values: list[float]) -> dict[str, Any]:
+    if not values:
+        return {"n": 0, "p50_s": None, "p90_s": None, "max_s": None, "samples_s": []}
+    return {
+        "n": len(values),
+        "p50_s": statistics.median(values),
+        "p90_s": percentile(values, 90),
+        "max_s": max(values),
+        "min_s": min(values),
+        "samples_s": values,
+    }
+
+
+def status_of(met: bool | None) -> str:
+    return {True: "met", False: "not met", None: "not measured"}[met]
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes: the Ray cluster, a watchdog, what is still running
+
+
+@contextmanager
+def ray_cluster() -> Iterator[None]:
+    """A local Ray cluster through the project's `connect()`, shut down (and gone) at the end."""
+    import ray
+
+    from failbench_ray import runtime
+
+    t0 = time.monotonic()
+    runtime.connect()
+    log(f"Ray up in {time.monotonic() - t0:.1f} s")
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        left = wait_for_no_children()
+        if left:
+            log(f"warning: processes still alive after ray.shutdown(): {left}")
+
+
+class WatchdogExpired(Exception):
+    pass
+
+
+@contextmanager
+def watchdog(limit_s: float, what: str) -> Iterator[None]:
+    """Raise WatchdogExpired in the main thread if the block runs longer than `limit_s`."""
+
+    def expire(_signum: int, _frame: FrameType | None) -> None:
+        raise WatchdogExpired(f"{what} did not finish within {limit_s:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, limit_s)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+# ---------------------------------------------------------------------------------------------
+# Experiments through the project's runner
+
+
+@dataclass(frozen=True)
+class Env:
+    db: Database
+    tmp: Path
+
+
+def recovery_spec(name: str, trials: int, **override: Any) -> dict[str, Any]:
+    """DDP on 4 ranks, small MLP, disk checkpoints every 10 steps, rank 1 SIGKILLed at step 15."""
+    spec: dict[str, Any] = {
+        "name": name,
+        "architecture": "ddp",
+        "world_size": 4,
+        "model": {"kind": "mlp", "input_dim": 64, "hidden_dim": 128, "depth": 2},
+        "steps": 25,
+        "batch_size": 64,
+        "trials": trials,
+        "baseline": False,
+        "mechanism": {"name": "disk_ckpt", "params": {"interval": 10}},
+        "failures": {"kind": "single", "rank": 1, "at_step": 15, "kill": "sigkill"},
+        "quiesce": "abort",
+    }
+    spec.update(override)
+    return spec
+
+
+def run_spec(env: Env, data: dict[str, Any]) -> tuple[ExperimentResult, float]:
+    from failbench_ray.runner import run_experiment
+    from failbench_ray.spec import parse_spec
+
+    spec = parse_spec(data)
+    t0 = time.monotonic()
+    with watchdog(EXPERIMENT_LIMIT_S, f"experiment {spec.name}"):
+        result = run_experiment(spec, db=env.db, out_dir=env.tmp / "runs")
+    wall = time.monotonic() - t0
+    log(f"{spec.name}: {result.status} in {wall:.1f} s (experiment {result.experiment_id})")
+    return result, wall
+
+
+def experiment_summary(result: ExperimentResult, wall_s: float) -> dict[str, Any]:
+    trials = []
+    for t in result.trials:
+        trials.append(
+            {
+                "trial": t.trial,
+                "status": t.status,
+                "error": t.error,
+                "step_time_s": t.step_time_s,
+                "matches_baseline": t.matches_baseline,
+                "failures": [
+                    {
+                        "ranks": f.ranks,
+                        "kill_kind": f.kill_kind,
+                        "trigger": f.trigger,
+                        "quiesce": f.quiesce,
+                        "restored_from_step": f.restored_from_step,
+                        "lost_steps": f.lost_steps,
+                        "phases": f.phases.model_dump(),
+                    }
+                    for f in t.failures
+                ],
+            }
+        )
+    return {
+        "experiment_id": result.experiment_id,
+        "status": result.status,
+        "wall_s": wall_s,
+        "spec": result.spec,
+        "trials": trials,
+    }
+
+
+def phase_samples(result: ExperimentResult) -> tuple[list[float], list[float]]:
+    """(detected_s, quiesced_s - detected_s) of every failure that reached those phases."""
+    detected, quiesce = [], []
+    for t in result.trials:
+        for f in t.failures:
+            d, q = f.phases.detected_s, f.phases.quiesced_s
+            if d is not None:
+                detected.append(d)
+                if q is not None:
+                    quiesce.append(q - d)
+    return detected, quiesce
+
+
+def trials_problems(result: ExperimentResult, failures_per_trial: int = 1) -> list[str]:
+    """Anything that makes the samples incomplete: failed trials, missing failures."""
+    problems = []
+    for t in result.trials:
+        if t.status != "completed":
+            problems.append(f"trial {t.trial} {t.status}: {t.error}")
+        if len(t.failures) != failures_per_trial:
+            problems.append(f"trial {t.trial} recorded {len(t.failures)} failures")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# Goals
+
+
+def goal_detection(env: Env, cfg: BenchConfig) -> dict[str, Any]:
+    result, wall = run_spec(env, recovery_spec("bench-detection", cfg.trials))
+    detected, quiesce = phase_samples(result)
+    stats = describe(detected)
+    met = bool(detected) and stats["p50_s"] <= DETECTION_GOAL_S
+    return {
+        "goal": f"p50 of detected_s (kill -> the driver learns of the death) <= "
+        f"{DETECTION_GOAL_S:.3f} s",
+        "threshold_s": DETECTION_GOAL_S,
+        "met": met,
+        "status": status_of(met),
+        "measured": {
+            "detected": stats,
+            "quiesce_abort_pg_timeout_1800s": describe(quiesce),  # for information
+            "problems": trials_problems(result),
+        },
+        "runs": [experiment_summary(result, wall)],
+    }
+
+
+def goal_quiesce(env: Env, cfg: BenchConfig) -> dict[str, Any]:
+    measured: dict[str, Any] = {}
+    runs = []
+    met = True
+    for timeout in QUIESCE_TIMEOUTS_S:
+        data = recovery_spec(f"bench-quiesce-abort-{timeout:g}s", cfg.trials, pg_timeout_s=timeout)
+        result, wall = run_spec(env, data)
+        _, quiesce = phase_samples(result)
+        stats = describe(quiesce)
+        stats["problems"] = trials_problems(result)
+        measured[f"abort_pg_timeout_{timeout:g}s"] = stats
+        runs.append(experiment_summary(result, wall))
+        met = met and bool(quiesce) and stats["max_s"] <= QUIESCE_GOAL_S
+    p50_met = all(
+        s["n"] and s["p50_s"] <= QUIESCE_GOAL_S for s in measured.values() if isinstance(s, dict)
+    )
+    data = recovery_spec("bench-quiesce-wait-5s", 1, pg_timeout_s=5.0, quiesce="wait_timeout")
+    result, wall = run_spec(env, data)
+    _, quiesce = phase_samples(result)
+    runs.append(experiment_summary(result, wall))
+    contrast = describe(quiesce)
+    contrast["problems"] = trials_problems(result)
+    contrast["note"] = "no goal: survivors wait for the process-group timeout (5 s)"
+    return {
+        "goal": f"quiesced_s - detected_s <= {QUIESCE_GOAL_S:.3f} s for every failure with "
+        f"quiesce: abort, for pg_timeout_s {' and '.join(f'{t:g}' for t in QUIESCE_TIMEOUTS_S)}",
+        "threshold_s": QUIESCE_GOAL_S,
+        "met": met,
+        "status": status_of(met),
+        "met_at_p50": bool(p50_met),
+        "measured": measured,
+        "contrast": {"wait_timeout_pg_timeout_5s": contrast},
+        "runs": runs,
+    }
+
+
+def overhead_spec(world: int) -> dict[str, Any]:
+    """The quickstart's training (model, optimizer, batch, steps) with no mechanism, no kills."""
+    import yaml
+
+    data: dict[str, Any] = yaml.safe_load(QUICKSTART.read_text())
+    data.update(
+        name="bench-overhead",
+        world_size=world,
+        mechanism={"name": "none"},
+        failures={"kind": "none"},
+        trials=1,
+        baseline=True,
+    )
+    return data
+
+
+def _harness_once(tmp: Path, data: dict[str, Any], index: int) -> dict[str, Any]:
+    from failbench_ray.storage.db import Database
+
+    db = Database(f"sqlite:///{tmp}/overhead{index}.db")
+    try:
+        with ray_cluster(), ForeignCpu() as foreign:
+            result, wall = run_spec(Env(db, tmp), data)
+    finally:
+        db.dispose()
+    if result.status != "completed" or result.baseline is None:
+        raise RuntimeError(f"harness run {index} ended {result.status}")
+    return {
+        "baseline_step_time_s": result.baseline.step_time_s,
+        "baseline_mean_step_time_s": result.baseline.mean_step_time_s,
+        "trial_step_time_s": result.trials[0].step_time_s,  # same config, for information
+        "experiment_wall_s": wall,
+        "experiment_id": result.experiment_id,
+        **foreign_cpu(foreign),
+    }
+
+
+def _plain_once(tmp: Path, data: dict[str, Any], index: int) -> dict[str, Any]:
+    from bench.plain_ddp import run_plain_ddp
+    from failbench_ray.spec import parse_spec
+
+    left = wait_for_no_children()
+    if left:
+        raise RuntimeError(f"processes of an earlier run are still alive: {left}")
+    with ForeignCpu() as foreign:
+        run = run_plain_ddp(parse_spec(data), tmp / f"plain{index}", timeout_s=PLAIN_LIMIT_S)
+    log(f"plain DDP run {index}: median step {run.step_time_s * 1e3:.2f} ms")
+    return {
+        "step_time_s": run.step_time_s,
+        "mean_step_time_s": run.mean_step_time_s,
+        "steady_steps": run.steady_steps,
+        "wall_s": run.wall_s,
+        **foreign_cpu(foreign),
+    }
+
+
+def goal_overhead(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
+    data = overhead_spec(cfg.overhead_world)
+    plain: list[dict[str, Any]] = []
+    harness: list[dict[str, Any]] = []
+    order: list[str] = []
+    for i in range(cfg.overhead_pairs):
+        plain.append(_plain_once(tmp, data, i))
+        order.append("plain")
+        harness.append(_harness_once(tmp, data, i))
+        order.append("harness")
+    plain_s = [p["step_time_s"] for p in plain]
+    harness_s = [h["baseline_step_time_s"] for h in harness]
+    ratio = statistics.median(harness_s) / statistics.median(plain_s)
+    met = ratio <= OVERHEAD_GOAL_RATIO
+    return {
+        "goal": f"harness baseline step time (mechanism none, median) <= {OVERHEAD_GOAL_RATIO:.2f}"
+        " x the median step time of a plain torch DDP loop",
+        "threshold_ratio": OVERHEAD_GOAL_RATIO,
+        "met": met,
+        "status": status_of(met),
+        "measured": {
+            "ratio_of_medians": ratio,
+            "harness_median_step_time_s": statistics.median(harness_s),
+            "plain_median_step_time_s": statistics.median(plain_s),
+            "per_pair_ratio": [h / p for h, p in zip(harness_s, plain_s, strict=True)],
+            "order": order,
+            "plain_runs": plain,
+            "harness_runs": harness,
+        },
+        "setup": {
+            "world_size": data["world_size"],
+            "steps": data["steps"],
+            "warmup_steps_excluded": 3,
+            "model": data["model"],
+            "optimizer": data["optimizer"],
+            "batch_size": data["batch_size"],
+            "threads_per_process": 1,
+            "step_time": "wall time of data + zero_grad + forward + backward + optimizer step "
+            "on each rank; slowest rank per step; median over the steady-state steps",
+            "plain": "torch.multiprocessing spawn, gloo via tcp://127.0.0.1:PORT, "
+            "DistributedDataParallel(model) with default settings",
+        },
+    }
+
+
+def goal_make_run(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
+    goal = f"`failbench run examples/quickstart.yaml` (Ray start included) < {MAKE_RUN_GOAL_S:g} s"
+    if not cfg.measure_make_run:
+        return {"goal": goal, "threshold_s": MAKE_RUN_GOAL_S, "met": None,
+                "status": "not measured", "note": "skipped with --quick"}  # fmt: skip
+    left = wait_for_no_children()
+    if left:
+        raise RuntimeError(f"processes of an earlier run are still alive: {left}")
+    failbench = Path(sys.executable).parent / "failbench"
+    out = tmp / "make_run"
+    cmd = [str(failbench), "run", str(QUICKSTART), "--db", f"sqlite:///{out}/bench.db"]
+    cmd += ["--out", str(out)]
+    out.mkdir(parents=True, exist_ok=True)
+    rc, wall, output = _timed_command(cmd, MAKE_RUN_LIMIT_S)
+    log(f"failbench run: exit {rc} in {wall:.1f} s")
+    met = rc == 0 and wall < MAKE_RUN_GOAL_S
+    return {
+        "goal": goal,
+        "threshold_s": MAKE_RUN_GOAL_S,
+        "met": met,
+        "status": status_of(met),
+        "measured": {"wall_s": wall, "exit_code": rc, "output_tail": output[-3000:]},
+        "command": "failbench run examples/quickstart.yaml --db sqlite:///<tmp>/bench.db "
+        "--out <tmp>",
+    }
+
+
+def _timed_command(cmd: list[str], limit_s: float) -> tuple[int, float, str]:
+    """Run `cmd` from the repository root; on a hang, Ctrl-C it (it stops its actors), then kill."""
+    env = {**os.environ, "COLUMNS": "160"}
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        output, _ = proc.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            output, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
+        output += f"\n[bench] killed after {limit_s:.0f} s"
+    return proc.returncode, time.monotonic() - t0, output
+
+
+def foreign_cpu(foreign: ForeignCpu) -> dict[str, float]:
+    """How much CPU processes this bench did not start took meanwhile (a lower bound)."""
+    return {"foreign_cpu_s": foreign.cpu_s, "foreign_cpu_share": foreign.share()}
+
+
+def guarded(name: str, goal: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run one goal's measurement; an exception is reported as an error (and not met)."""
+    log(f"goal {name}: measuring")
+    t0 = time.monotonic()
+    foreign = ForeignCpu()
+    try:
+        with foreign:
+            out = fn()
+    except Exception as err:  # noqa: BLE001  (one goal's failure must not hide the others)
+        log(f"goal {name}: ERROR {type(err).__name__}: {err}")
+        out = {
+            "goal": goal,
+            "met": False,
+            "status": "error",
+            "error": f"{type(err).__name__}: {err}",
+        }
+    out["bench_wall_s"] = time.monotonic() - t0
+    if foreign.wall_s:
+        out.update(foreign_cpu(foreign))
+        if foreign.share() > FOREIGN_WARN_SHARE:
+            log(f"goal {name}: other processes took {100 * foreign.share():.0f}% of the CPUs")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def machine() -> dict[str, Any]:
+    import ray
+    import torch
+
+    mem_kb = next(
+        int(line.split()[1])
+        for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.startswith("MemTotal:")
+    )
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)),
+        "memory_gib": round(mem_kb / 2**20, 1),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "gpu": torch.cuda.is_available(),
+    }
+
+
+def _ms(v: Any) -> str:
+    return "-" if v is None else f"{v * 1e3:.1f} ms"
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    m, g = report["machine"], report["goals"]
+    lines = [
+        f"FailBench-Ray bench ({'quick' if report['quick'] else 'full'}) {report['date']}: "
+        f"{m['cpu_count']} CPUs, torch {m['torch']}, ray {m['ray']}; {report['wall_s']:.0f} s"
+    ]
+
+    def line(name: str, text: str) -> None:
+        goal = g[name]
+        status = goal["status"].upper()
+        body = text if goal["status"] != "error" else goal["error"]
+        share = goal.get("foreign_cpu_share", 0.0)
+        if share > FOREIGN_WARN_SHARE:
+            body += f" [other processes took {100 * share:.0f}% of the CPUs meanwhile]"
+        lines.append(f"  {name:<17}{status:<13}{body}")
+
+    d = g["detection"].get("measured", {}).get("detected", {})
+    line(
+        "detection",
+        f"p50 {_ms(d.get('p50_s'))}, p90 {_ms(d.get('p90_s'))}, max {_ms(d.get('max_s'))} "
+        f"(n={d.get('n')}; goal p50 <= {_ms(DETECTION_GOAL_S)})",
+    )
+    q = g["fast_quiesce"]
+    parts = [
+        f"pg {k.split('_')[-1]}: p50 {_ms(s['p50_s'])} max {_ms(s['max_s'])} (n={s['n']})"
+        for k, s in q.get("measured", {}).items()
+    ]
+    line("fast_quiesce", "; ".join(parts) + f" (goal every <= {_ms(QUIESCE_GOAL_S)})")
+    w = q.get("contrast", {}).get("wait_timeout_pg_timeout_5s")
+    if w and q["status"] != "error":
+        lines.append(f"  {'':<30}contrast wait_timeout, pg 5s: {_ms(w['p50_s'])} (no goal)")
+    o = g["harness_overhead"].get("measured", {})
+    if o:
+        line(
+            "harness_overhead",
+            f"harness {_ms(o['harness_median_step_time_s'])} / plain "
+            f"{_ms(o['plain_median_step_time_s'])} = {o['ratio_of_medians']:.3f}x "
+            f"(goal <= {OVERHEAD_GOAL_RATIO:.2f}x)",
+        )
+        pairs = ", ".join(f"{r:.3f}x" for r in o["per_pair_ratio"])
+        lines.append(f"  {'':<30}per (plain, harness) pair: {pairs}")
+    else:
+        line("harness_overhead", "")
+    r = g["make_run_time"]
+    if r["status"] == "not measured":
+        line("make_run_time", "skipped with --quick")
+    else:
+        mr = r.get("measured", {})
+        line(
+            "make_run_time",
+            f"{mr.get('wall_s', 0):.1f} s, exit {mr.get('exit_code')} "
+            f"(goal < {MAKE_RUN_GOAL_S:g} s)",
+        )
+    return lines
+
+
+def run_bench(cfg: BenchConfig, tmp: Path) -> dict[str, Any]:
+    from failbench_ray.storage.db import Database
+
+    goals: dict[str, Any] = {}
+    db = Database(f"sqlite:///{tmp}/bench.db")
+    try:
+        with ray_cluster():
+            env = Env(db, tmp)
+            goals["detection"] = guarded(
+                "detection", "p50 of detected_s <= 0.050 s", lambda: goal_detection(env, cfg)
+            )
+            goals["fast_quiesce"] = guarded(
+                "fast_quiesce",
+                "quiesced_s - detected_s <= 0.200 s with quiesce: abort",
+                lambda: goal_quiesce(env, cfg),
+            )
+    finally:
+        db.dispose()
+    goals["harness_overhead"] = guarded(
+        "harness_overhead",
+        "harness baseline step time <= 1.10 x plain torch DDP",
+        lambda: goal_overhead(tmp, cfg),
+    )
+    goals["make_run_time"] = guarded(
+        "make_run_time", "failbench run quickstart < 180 s", lambda: goal_make_run(tmp, cfg)
+    )
+    return goals
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("bench/results.json"), help="result JSON")
+    p.add_argument("--quick", action="store_true", help="fewer trials, 4 ranks, no `make run`")
+    args = p.parse_args(argv)
+    import failbench_ray  # noqa: F401  (sets the loopback-only Ray environment before Ray loads)
+
+    cfg = BenchConfig.make(args.quick)
+    started = datetime.now(timezone.utc)
+    t0 = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix="failbench-bench-"))
+    try:
+        goals = run_bench(cfg, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    report = {
+        "bench": "failbench-ray",
+        "date": started.isoformat(timespec="seconds"),
+        "quick": cfg.quick,
+        "wall_s": time.monotonic() - t0,
+        "machine": machine(),
+        "goals": goals,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print("\n".join(summary_lines(report)))
+    print(f"written: {args.out}")
+    return 0 if all(g["status"] != "error" for g in goals.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
