@@ -12,11 +12,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
 from pydantic import BaseModel, ConfigDict
+from torch import nn
+
+from architectures import state
 
 if TYPE_CHECKING:
-    import torch
-
     from failbench_ray.comm import AbortHandle
     from failbench_ray.spec import ExperimentSpec
 
@@ -59,8 +61,8 @@ class StateLayout:
 
 @dataclass(frozen=True)
 class StepOutput:
-    loss: float
-    samples: int
+    loss: float  # NaN on a rank that never sees the loss (an inner pipeline stage)
+    samples: int  # samples this rank's data-parallel replica consumed
 
 
 @dataclass
@@ -75,7 +77,14 @@ class WorkerContext:
 
 
 class Trainer(ABC):
-    """One rank's training process for one generation of the process group."""
+    """One rank's training process for one generation of the process group.
+
+    Subclasses build `self.module` (this rank's part of the model) and `self.optimizer`; state
+    hand-over and the digest work on their local tensors, whatever the parallelism.
+    """
+
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
 
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
@@ -84,23 +93,27 @@ class Trainer(ABC):
     def train_step(self, step: int) -> StepOutput:
         """One optimizer step; raise CollectiveAborted (before the update) if a peer died."""
 
-    @abstractmethod
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state (its shard): model and optimizer."""
+        """This rank's state (its shard): model and optimizer, as local tensors."""
+        return {
+            "model": state.model_state(self.module),
+            "optimizer": state.optimizer_state(self.optimizer),
+        }
 
-    @abstractmethod
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        state.load_model_state(self.module, saved["model"])
+        state.load_optimizer_state(self.optimizer, saved["optimizer"])
 
-    @abstractmethod
     def parameters_digest(self) -> str:
         """sha256 of this rank's parameters (its shard), in name order."""
+        return tensors_digest(list(self.module.state_dict().items()))
 
 
 def tensors_digest(named: list[tuple[str, Any]]) -> str:
     h = hashlib.sha256()
     for name, t in sorted(named, key=lambda kv: kv[0]):
         h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        h.update(state.local(t).detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -122,6 +135,11 @@ class Architecture(ABC):
 
     @abstractmethod
     def layout(self) -> StateLayout: ...
+
+    # True when every collective of a step runs through the worker's AbortHandle, so the
+    # `abort` quiesce can pull survivors out of a dead collective and keep their state. Torch's
+    # own FSDP, DTensor and pipelining collectives block inside gloo: survivors are killed.
+    abortable: ClassVar[bool] = False
 
     def exact_replay(self) -> bool:
         """True if replaying a step from the same state gives bit-identical results."""

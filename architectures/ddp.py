@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch.nn.parallel import DistributedDataParallel
 
 from architectures import ARCHITECTURES
@@ -13,7 +11,6 @@ from architectures.base import (
     StepOutput,
     Trainer,
     WorkerContext,
-    tensors_digest,
 )
 from failbench_ray.comm import CanonicalAllReduceHook
 from failbench_ray.data import SyntheticData
@@ -52,22 +49,13 @@ class DDPTrainer(Trainer):
         self.optimizer.step()
         return StepOutput(loss=float(loss.detach()), samples=len(x))
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-
-    def parameters_digest(self) -> str:
-        return tensors_digest(list(self.module.state_dict().items()))
-
 
 @ARCHITECTURES.register("ddp")
 class DDP(Architecture):
     name = "ddp"
     summary = "synchronous data parallel (torch DDP), gradients all-reduced every step"
     trainer_cls = DDPTrainer
+    abortable = True
 
     def check(self) -> None:
         b, w = self.spec.batch_size, self.spec.world_size

@@ -79,6 +79,8 @@ class TrialController:
         self.spec = resolved.spec
         self.mech = resolved.mech
         self.layout = resolved.arch.layout()
+        self.abortable = resolved.arch.abortable
+        self.arch_name = resolved.arch.name
         self.run_dir = run_dir
         self.placement = placement
         self.label = label
@@ -181,10 +183,11 @@ class TrialController:
         assert self.group is not None
         self._phase_trigger("quiescing")
         alive = [r for r in self.pending if r not in self.dead]
-        if self.spec.quiesce == "abort":
+        strategy = self._quiesce_strategy()
+        if strategy == "abort":
             for r in alive:
                 self.group.handles[r].abort.remote()
-        elif self.spec.quiesce == "kill_survivors":
+        elif strategy.startswith("kill_survivors"):
             self._kill_survivors(alive)
         got = self._collect(list(self.pending.values()), wait_all=True)
         self._absorb(got.values.values())
@@ -292,10 +295,16 @@ class TrialController:
             trigger=trigger,
             injected_at_step=step,
             t_injected=t,
-            quiesce=self.spec.quiesce,
+            quiesce=self._quiesce_strategy(),
         )
         self.outcome.failures.append(f)
         return f
+
+    def _quiesce_strategy(self) -> str:
+        """The spec's strategy, unless this architecture cannot honour `abort`."""
+        if self.spec.quiesce == "abort" and not self.abortable:
+            return f"kill_survivors (abort: {self.arch_name}'s collectives are not abortable)"
+        return self.spec.quiesce
 
     def _failure_context(self) -> FailureContext:
         steps = [f.injected_at_step for f in self.open] or [self.committed + 1]
@@ -305,7 +314,7 @@ class TrialController:
             layout=self.layout,
             committed_step=self.committed,
             failure_step=max(steps),
-            quiesce=self.spec.quiesce,
+            quiesce=self._quiesce_strategy(),
             latest_checkpoint=self.mech.latest_checkpoint(self.run_dir, self.layout),
         )
 

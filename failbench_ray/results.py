@@ -7,6 +7,7 @@ times, because a periodic cost (a checkpoint every K steps) is invisible to a me
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -131,15 +132,23 @@ def overhead_pct(mean_step_s: float | None, baseline_mean_step_s: float | None) 
     return 100.0 * (mean_step_s / baseline_mean_step_s - 1.0)
 
 
+def step_losses(records: Sequence[StepRecord]) -> dict[int, float]:
+    """The loss of each step: the mean over the ranks that see it, in the last generation that
+    ran the step (ranks that never see the loss, inner pipeline stages, report NaN)."""
+    latest: dict[int, int] = {}
+    for r in records:
+        latest[r.step] = max(latest.get(r.step, r.generation), r.generation)
+    by_step: dict[int, list[float]] = defaultdict(list)
+    for r in records:
+        if r.generation == latest[r.step] and not math.isnan(r.loss):
+            by_step[r.step].append(r.loss)
+    return {step: statistics.fmean(v) for step, v in sorted(by_step.items())}
+
+
 def final_loss(records: Sequence[StepRecord]) -> float | None:
-    """Mean over ranks of the loss at the last step of the last generation that reached it."""
-    if not records:
-        return None
-    last = max(r.step for r in records)
-    at_last = [r for r in records if r.step == last]
-    gen = max(r.generation for r in at_last)
-    losses = [r.loss for r in at_last if r.generation == gen]
-    return statistics.fmean(losses)
+    """The loss of the last step (see `step_losses`)."""
+    losses = step_losses(records)
+    return losses[max(losses)] if losses else None
 
 
 def fill_resume_phases(failures: Sequence[FailureRecord], records: Sequence[StepRecord]) -> None:

@@ -143,6 +143,10 @@ class Worker:
                 out = self.trainer.train_step(step)
             except CollectiveAborted as err:
                 return self._report("aborted", str(err))
+            except RuntimeError as err:
+                # A collective inside torch (FSDP, DTensor, pipelining) failed: a peer died or
+                # the group timed out. The driver decides; with no dead peer it is an error.
+                return self._report("aborted", f"{type(err).__name__}: {err}".splitlines()[0])
             t1 = time.time()
             checkpoints = self.hooks.after_step(step, self.trainer)
             t2 = time.time()

@@ -1,0 +1,68 @@
+"""One rank's training state as plain local tensors, whatever the parallelism.
+
+FSDP2 and tensor parallelism keep parameters and optimizer state as DTensors. A checkpoint holds
+each rank's local part; loading rebuilds DTensors with the live parameter's mesh and placements.
+For plain tensors (DDP, pipeline stages) everything here is the identity.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def local(t: Any) -> Any:
+    """The local part of a DTensor (recursively through dicts and lists); other values as is."""
+    if isinstance(t, DTensor):
+        return t.to_local()
+    if isinstance(t, dict):
+        return {k: local(v) for k, v in t.items()}
+    if isinstance(t, list | tuple):
+        return type(t)(local(v) for v in t)
+    return t
+
+
+def model_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: local(v).detach().clone() for k, v in module.state_dict().items()}
+
+
+def load_model_state(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    live = module.state_dict()
+    missing = set(live) ^ set(state)
+    if missing:
+        raise KeyError(f"checkpoint and model disagree on {sorted(missing)[:5]}")
+    with torch.no_grad():
+        for name, value in live.items():
+            local(value).copy_(state[name])
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    sd: dict[str, Any] = optimizer.state_dict()
+    return {"state": local(sd["state"]), "param_groups": sd["param_groups"]}
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    rebuilt: dict[int, dict[str, Any]] = {}
+    for idx, entries in state["state"].items():
+        p = params[int(idx)]
+        rebuilt[int(idx)] = {k: _like(p, v) for k, v in entries.items()}
+    optimizer.load_state_dict({"state": rebuilt, "param_groups": state["param_groups"]})
+
+
+def _like(param: torch.Tensor, value: Any) -> Any:
+    """A saved local tensor as a DTensor shaped like `param`, where `param` is one."""
+    like = isinstance(param, DTensor) and isinstance(value, torch.Tensor)
+    if like and value.shape == param.to_local().shape:
+        return DTensor.from_local(
+            value,
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+    return value
