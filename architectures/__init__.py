@@ -7,6 +7,16 @@ from failbench_ray.registry import Registry
 
 ARCHITECTURES: Registry[type[Architecture]] = Registry("architecture")
 
-from architectures import ddp  # noqa: E402  (each module registers itself)
+from architectures import ddp, fsdp, hybrid, pipeline, tensor  # noqa: E402  (each module registers itself)
 
-__all__ = ["ARCHITECTURES", "Architecture", "StateLayout", "Trainer", "ddp"]
+__all__ = [
+    "ARCHITECTURES",
+    "Architecture",
+    "StateLayout",
+    "Trainer",
+    "ddp",
+    "fsdp",
+    "hybrid",
+    "pipeline",
+    "tensor",
+]

@@ -104,9 +104,26 @@ class Trainer(ABC):
         state.load_model_state(self.module, saved["model"])
         state.load_optimizer_state(self.optimizer, saved["optimizer"])
 
+    def state_bytes(self) -> int:
+        """Bytes of this rank's training state (model and optimizer, local parts)."""
+        total = 0
+        for t in _tensors(self.state_dict()):
+            total += t.numel() * t.element_size()
+        return total
+
     def parameters_digest(self) -> str:
         """sha256 of this rank's parameters (its shard), in name order."""
         return tensors_digest(list(self.module.state_dict().items()))
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, list | tuple):
+        return [t for v in obj for t in _tensors(v)]
+    return []
 
 
 def tensors_digest(named: list[tuple[str, Any]]) -> str:

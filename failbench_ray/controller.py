@@ -54,6 +54,7 @@ class TrialOutcome:
     checkpoints: list[CheckpointEvent] = field(default_factory=list)
     failures: list[FailureRecord] = field(default_factory=list)
     params_digest: str | None = None
+    state_bytes_per_rank: int | None = None  # measured on the final state (largest rank)
     error: str | None = None
 
 
@@ -401,9 +402,10 @@ class TrialController:
         got = self._on_all(lambda h: h.digest.remote())
         if got.dead or got.errors:
             raise RecoveryError(f"computing the final digest failed: {got.errors or got.dead}")
+        self.outcome.state_bytes_per_rank = max(nbytes for _, nbytes in got.values.values())
         h = hashlib.sha256()
         for shard, group in zip(self.layout.shard_ids(), self.layout.replica_groups(), strict=True):
-            digests = {got.values[r] for r in group}
+            digests = {got.values[r][0] for r in group}
             if len(digests) != 1:
                 self.outcome.error = f"replicas of shard {shard} diverged across ranks {group}"
                 return "diverged"

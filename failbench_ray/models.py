@@ -16,17 +16,20 @@ from failbench_ray.spec import ModelSpec
 
 
 class MLP(nn.Module):
+    """Hidden layers are (Linear, ReLU) pairs, so a pipeline stage or a tensor-parallel pair
+    never splits a layer from its activation."""
+
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         dims = [spec.input_dim] + [spec.hidden_dim] * spec.depth
-        layers: list[nn.Module] = []
-        for a, b in zip(dims[:-1], dims[1:], strict=True):
-            layers += [nn.Linear(a, b), nn.ReLU()]
-        layers.append(nn.Linear(dims[-1], spec.num_classes))
-        self.net = nn.Sequential(*layers)
+        hidden = [
+            nn.Sequential(nn.Linear(a, b), nn.ReLU())
+            for a, b in zip(dims[:-1], dims[1:], strict=True)
+        ]
+        self.layers = nn.Sequential(*hidden, nn.Linear(dims[-1], spec.num_classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+        return self.layers(x)
 
 
 class CausalSelfAttention(nn.Module):
@@ -62,21 +65,49 @@ class Block(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
-class Transformer(nn.Module):
+class TokenEmbedding(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.tok = nn.Embedding(spec.vocab_size, spec.d_model)
         self.pos = nn.Embedding(spec.seq_len, spec.d_model)
-        self.blocks = nn.Sequential(
-            *[Block(spec.d_model, spec.n_heads) for _ in range(spec.n_layers)]
-        )
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+
+
+class LMHead(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
         self.ln_f = nn.LayerNorm(spec.d_model)
         self.head = nn.Linear(spec.d_model, spec.vocab_size)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.embed = TokenEmbedding(spec)
+        self.blocks = nn.Sequential(
+            *[Block(spec.d_model, spec.n_heads) for _ in range(spec.n_layers)]
+        )
+        self.lm_head = LMHead(spec)
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tok(idx) + self.pos(pos)
-        return self.head(self.ln_f(self.blocks(x)))
+        return self.lm_head(self.blocks(self.embed(idx)))
+
+
+def layers(model: nn.Module) -> list[nn.Module]:
+    """The model as a sequence of layers, in order (what pipeline stages are cut from)."""
+    if isinstance(model, MLP):
+        return list(model.layers)
+    assert isinstance(model, Transformer)
+    return [model.embed, *model.blocks, model.lm_head]
+
+
+def layer_count(spec: ModelSpec) -> int:
+    return spec.depth + 1 if spec.kind == "mlp" else spec.n_layers + 2
 
 
 def build_model(spec: ModelSpec, seed: int) -> nn.Module:

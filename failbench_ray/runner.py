@@ -19,7 +19,6 @@ import ray
 from failbench_ray import results
 from failbench_ray.checks import Resolved, resolve
 from failbench_ray.controller import TrialController, TrialOutcome
-from failbench_ray.models import param_count
 from failbench_ray.results import ExperimentResult
 from failbench_ray.runtime import node_ip
 from failbench_ray.spec import ExperimentSpec, FailureTrace, PartSpec
@@ -186,12 +185,10 @@ def _extras(resolved: Resolved, outcome: TrialOutcome, steady: list[float]) -> d
     saves = [c for c in outcome.checkpoints if c.kind == "save"]
     restores = [c for c in outcome.checkpoints if c.kind == "restore"]
     mean = results.mean_or_none(steady)
-    optimizer_slots = {"sgd": 1 if spec.optimizer.momentum else 0, "adam": 2, "adamw": 2}
-    n = param_count(spec.model)
     return {
         "steady_steps": len(steady),
         "samples_per_s": spec.batch_size / mean if mean else None,
-        "state_bytes_per_rank": 4 * n * (1 + optimizer_slots[spec.optimizer.name]),
+        "state_bytes_per_rank": outcome.state_bytes_per_rank,
         "recoveries": sum(f.restored_from_step is not None for f in outcome.failures),
         "checkpoint": {
             "saves": len(saves),

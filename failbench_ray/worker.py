@@ -159,9 +159,10 @@ class Worker:
                 self.step = step
         return self._report("completed", "")
 
-    def digest(self) -> str:
+    def digest(self) -> tuple[str, int]:
+        """(digest of this rank's parameters, bytes of its training state)."""
         assert self.trainer is not None
-        return self.trainer.parameters_digest()
+        return self.trainer.parameters_digest(), self.trainer.state_bytes()
 
     def _report(self, status: str, reason: str) -> RunReport:
         records, checkpoints = self.drain()

@@ -1,0 +1,60 @@
+"""Sharded data parallel (ZeRO-3 style) with torch's FSDP2 `fully_shard`.
+
+Each rank holds 1/N of every parameter and of the optimizer state; parameters are all-gathered
+per layer for compute and gradients reduce-scattered. The collectives are torch's own, so a
+survivor blocked in one cannot be pulled out (see `Architecture.abortable`).
+"""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from architectures import ARCHITECTURES
+from architectures.base import Architecture, StateLayout, StepOutput, Trainer, WorkerContext
+from failbench_ray.data import SyntheticData
+from failbench_ray.errors import SpecError
+from failbench_ray.models import build_model, layers, loss_fn
+from failbench_ray.optim import build_optimizer
+
+
+class FSDPTrainer(Trainer):
+    def __init__(self, ctx: WorkerContext) -> None:
+        super().__init__(ctx)
+        spec = ctx.spec
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        self.module = build_model(spec.model, spec.seed).to(ctx.device)
+        for layer in layers(self.module):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.module, mesh=mesh)
+        self.optimizer = build_optimizer(spec.optimizer, self.module.parameters())
+        self.data = SyntheticData(spec.model, spec.seed)
+
+    def train_step(self, step: int) -> StepOutput:
+        spec, ctx = self.ctx.spec, self.ctx
+        x, y = self.data.shard(step, spec.batch_size, ctx.rank, ctx.world_size)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(spec.model, self.module(x.to(ctx.device)), y.to(ctx.device))
+        loss.backward()
+        self.optimizer.step()
+        return StepOutput(loss=float(loss.detach()), samples=len(x))
+
+
+@ARCHITECTURES.register("fsdp")
+class FSDP(Architecture):
+    name = "fsdp"
+    summary = "sharded data parallel (FSDP2 fully_shard): params, grads, optimizer state 1/N"
+    trainer_cls = FSDPTrainer
+
+    def check(self) -> None:
+        b, w = self.spec.batch_size, self.spec.world_size
+        if b % w:
+            raise SpecError(
+                f"batch_size={b} does not split over world_size={w} ranks; use a multiple of {w}"
+            )
+
+    def layout(self) -> StateLayout:
+        w = self.spec.world_size
+        return StateLayout(
+            shard_of_rank=tuple(range(w)), holds=tuple(f"shard {r + 1}/{w}" for r in range(w))
+        )
