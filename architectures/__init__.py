@@ -7,7 +7,7 @@ from failbench_ray.registry import Registry
 
 ARCHITECTURES: Registry[type[Architecture]] = Registry("architecture")
 
-from architectures import ddp, fsdp, hybrid, pipeline, tensor  # noqa: E402  (each module registers itself)
+from architectures import ddp, fsdp, gossip, hybrid, pipeline, tensor  # noqa: E402  (each module registers itself)
 
 __all__ = [
     "ARCHITECTURES",
@@ -16,6 +16,7 @@ __all__ = [
     "Trainer",
     "ddp",
     "fsdp",
+    "gossip",
     "hybrid",
     "pipeline",
     "tensor",

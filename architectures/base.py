@@ -69,11 +69,16 @@ class StepOutput:
 class WorkerContext:
     spec: ExperimentSpec
     params: Any  # the architecture's own Params instance
-    rank: int
-    world_size: int
+    rank: int  # logical rank: the rank's identity and data shard, kept across re-formations
+    world_size: int  # logical world (the spec's)
     device: torch.device
-    group: Any  # torch.distributed.ProcessGroup
+    group: Any  # torch.distributed.ProcessGroup of the live members
     abort: AbortHandle
+    members: tuple[int, ...] = ()  # live logical ranks, in group-rank order
+
+    @property
+    def group_rank(self) -> int:
+        return self.members.index(self.rank)
 
 
 class Trainer(ABC):
@@ -110,6 +115,15 @@ class Trainer(ABC):
         for t in _tensors(self.state_dict()):
             total += t.numel() * t.element_size()
         return total
+
+    def parameters_sample(self, n: int = 256) -> list[float]:
+        """The first n values of this rank's flattened parameters (to compare replicas)."""
+        out: list[float] = []
+        for p in self.module.parameters():
+            out += state.local(p).detach().reshape(-1)[: n - len(out)].tolist()
+            if len(out) >= n:
+                break
+        return out
 
     def parameters_digest(self) -> str:
         """sha256 of this rank's parameters (its shard), in name order."""
@@ -157,6 +171,11 @@ class Architecture(ABC):
     # `abort` quiesce can pull survivors out of a dead collective and keep their state. Torch's
     # own FSDP, DTensor and pipelining collectives block inside gloo: survivors are killed.
     abortable: ClassVar[bool] = False
+
+    def continues_without_dead(self) -> bool:
+        """True when training goes on without a dead rank (no barrier, no rollback): recovery
+        drops it from the group instead of replacing it."""
+        return False
 
     def exact_replay(self) -> bool:
         """True if replaying a step from the same state gives bit-identical results."""

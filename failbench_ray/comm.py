@@ -37,6 +37,7 @@ class AbortHandle:
         self.error: BaseException | None = None
         self._step_failed = False
         self._pending: list[tuple[torch.futures.Future, Any]] = []
+        self._events: list[threading.Event] = []  # what `wait()` callers block on
 
     @property
     def failed(self) -> bool:
@@ -92,13 +93,43 @@ class AbortHandle:
         with self._lock:
             self._aborted = True
             pending, self._pending = self._pending, []
+            for event in self._events:
+                event.set()
         for fut, fallback in pending:
             self._complete(fut, fallback, ok=False)
 
     def wait(self, work: dist.Work) -> None:
-        """Wait for a collective without blocking inside gloo; raise if it did not complete."""
-        self.watch(work, None, lambda: None).wait()
-        self.check()
+        """Wait for a collective or a point-to-point message without blocking inside gloo.
+
+        Gloo's send/recv have no future, so a helper thread does the blocking `wait()`; this
+        thread waits on an event that the helper or an abort sets. A helper stuck on a dead
+        peer stays parked until the old group times out, like the group itself.
+        """
+        event = threading.Event()
+        failure: list[BaseException] = []
+
+        def blocking_wait() -> None:
+            try:
+                work.wait()
+            except BaseException as err:  # the peer's socket closed, or the timeout hit
+                failure.append(err)
+            finally:
+                event.set()
+
+        with self._lock:
+            if self._aborted:
+                self._step_failed = True
+                raise CollectiveAborted(self.reason())
+            self._events.append(event)
+        threading.Thread(target=blocking_wait, daemon=True, name="gloo-wait").start()
+        event.wait()
+        with self._lock:
+            self._events.remove(event)
+            if failure:
+                self.error = self.error or failure[0]
+            if failure or self._aborted:
+                self._step_failed = True
+                raise CollectiveAborted(self.reason())
 
 
 class CanonicalAllReduceHook:

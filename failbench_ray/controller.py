@@ -26,9 +26,11 @@ import ray
 import torch.distributed as dist
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from failbench_ray import results
 from failbench_ray.checks import Resolved
 from failbench_ray.errors import RecoveryError
 from failbench_ray.records import CheckpointEvent, FailureRecord, StepRecord
+from failbench_ray.recovery import decide
 from failbench_ray.worker import JoinInfo, RunReport
 from failbench_ray.worker_group import Placement, WorkerGroup
 from injector.chaos import ChaosActor
@@ -55,6 +57,8 @@ class TrialOutcome:
     failures: list[FailureRecord] = field(default_factory=list)
     params_digest: str | None = None
     state_bytes_per_rank: int | None = None  # measured on the final state (largest rank)
+    members: list[int] = field(default_factory=list)  # ranks still training at the end
+    replica_spread: float | None = None  # for architectures where every rank is a replica
     error: str | None = None
 
 
@@ -92,6 +96,9 @@ class TrialController:
         self.outcome = TrialOutcome("running")
         self.generation = -1
         self.committed = 0  # last step every live rank completed
+        self.furthest = 0  # last step the most advanced live rank completed
+        self.members = list(range(self.spec.world_size))  # live ranks, in group-rank order
+        self.continues_without_dead = resolved.arch.continues_without_dead()
         self.recoveries = 0
         self.dead: set[int] = set()
         self.open: list[FailureRecord] = []  # failures whose recovery is not done yet
@@ -195,7 +202,7 @@ class TrialController:
         t = time.time()
         survivors = [rep.last_step for r, rep in got.values.items() if r not in got.dead]
         if survivors:
-            self.committed = min(survivors)
+            self.committed, self.furthest = min(survivors), max(survivors)
         if got.dead - self.dead:
             self._detected(got.dead - self.dead)
         self._stamp("quiesced", t)
@@ -212,14 +219,17 @@ class TrialController:
                 f"gave up after {self.spec.max_recoveries} recoveries (raise max_recoveries)"
             )
         self._phase_trigger("reforming")
-        plan = self.mech.plan(self._failure_context())
-        missing = self.dead - set(plan.replace)
-        if missing:
-            raise RecoveryError(f"{self.mech.name}'s plan leaves dead ranks {sorted(missing)}")
+        plan = decide(
+            self.mech, self._failure_context(), continues_without_dead=self.continues_without_dead
+        )
         self.plan = plan
         self.group.kill([r for r in plan.replace if r not in self.dead])
         self.group.start(list(plan.replace))
         self.dead -= set(plan.replace)
+        for r in plan.drop:  # training goes on without them
+            self.members.remove(r)
+            self.group.handles.pop(r)
+            self.dead.discard(r)
         ray.get(self.chaos.set_targets.remote(self.group.targets()))
         got = self._on_all(lambda h: h.ready.remote())
         if not got.dead:
@@ -317,6 +327,7 @@ class TrialController:
             failure_step=max(steps),
             quiesce=self._quiesce_strategy(),
             latest_checkpoint=self.mech.latest_checkpoint(self.run_dir, self.layout),
+            furthest_step=max(self.furthest, self.committed),
         )
 
     def _phase_trigger(self, phase: str) -> None:
@@ -356,7 +367,7 @@ class TrialController:
             generation=self.generation,
             store_host=self.store_host,
             store_port=self.store.port if self.store is not None else 0,
-            world_size=self.spec.world_size,
+            members=tuple(self.members),
             backend=self.placement.backend,
             device=self.placement.device,
         )
@@ -402,10 +413,18 @@ class TrialController:
         got = self._on_all(lambda h: h.digest.remote())
         if got.dead or got.errors:
             raise RecoveryError(f"computing the final digest failed: {got.errors or got.dead}")
-        self.outcome.state_bytes_per_rank = max(nbytes for _, nbytes in got.values.values())
+        self.outcome.state_bytes_per_rank = max(v[1] for v in got.values.values())
+        self.outcome.members = list(self.members)
+        if self.layout.replica_groups() == [[r] for r in range(self.spec.world_size)]:
+            # Every rank its own replica (gossip): how far apart did they end?
+            self.outcome.replica_spread = results.replica_spread(
+                [v[2] for v in got.values.values()]
+            )
         h = hashlib.sha256()
         for shard, group in zip(self.layout.shard_ids(), self.layout.replica_groups(), strict=True):
-            digests = {got.values[r][0] for r in group}
+            digests = {got.values[r][0] for r in group if r in got.values}
+            if not digests:
+                continue  # every holder left the group (training went on without them)
             if len(digests) != 1:
                 self.outcome.error = f"replicas of shard {shard} diverged across ranks {group}"
                 return "diverged"

@@ -200,3 +200,41 @@ def matches_baseline(
     if not match_expected or digest is None or baseline_digest is None:
         return None
     return digest == baseline_digest
+
+
+def throughput(records: Sequence[StepRecord], t_from: float, t_to: float) -> float | None:
+    """Samples per second consumed by all ranks between two instants (whole steps only)."""
+    inside = [r for r in records if r.t_start >= t_from and r.t_end <= t_to]
+    if not inside:
+        return None
+    span = max(r.t_end for r in inside) - min(r.t_start for r in inside)
+    return sum(r.samples for r in inside) / span if span > 0 else None
+
+
+def throughput_around_failures(
+    records: Sequence[StepRecord], failures: Sequence[FailureRecord], warmup_steps: int
+) -> dict[str, float | None]:
+    """Sample throughput before the first failure and after the last recovery resumed."""
+    if not failures or not records:
+        return {}
+    first = min(f.t_injected for f in failures)
+    last = max(failures, key=lambda f: f.t_injected)
+    start = min((r.t_end for r in records if r.step == warmup_steps), default=0.0)
+    resumed = last.phases.get("resumed")
+    after = last.t_injected + resumed if resumed is not None else math.inf
+    return {
+        "samples_per_s_before_failure": throughput(records, start, first),
+        "samples_per_s_after_recovery": throughput(records, after, math.inf),
+    }
+
+
+def replica_spread(samples: Sequence[Sequence[float]]) -> float | None:
+    """How far replicas are apart: max over ranks of |x_r - mean| / |mean| (relative L2)."""
+    if len(samples) < 2:
+        return None
+    n = len(samples)
+    mean = [sum(col) / n for col in zip(*samples, strict=True)]
+    norm = math.sqrt(sum(v * v for v in mean)) or 1.0
+    return max(
+        math.sqrt(sum((a - b) ** 2 for a, b in zip(x, mean, strict=True))) / norm for x in samples
+    )

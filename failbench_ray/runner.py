@@ -189,6 +189,13 @@ def _extras(resolved: Resolved, outcome: TrialOutcome, steady: list[float]) -> d
         "steady_steps": len(steady),
         "samples_per_s": spec.batch_size / mean if mean else None,
         "state_bytes_per_rank": outcome.state_bytes_per_rank,
+        "state_layout": {
+            "holds": list(resolved.arch.layout().holds),
+            "replica_groups": resolved.arch.layout().replica_groups(),
+        },
+        "ranks_at_end": outcome.members,
+        "replica_spread": outcome.replica_spread,
+        **results.throughput_around_failures(outcome.records, outcome.failures, spec.warmup_steps),
         "recoveries": sum(f.restored_from_step is not None for f in outcome.failures),
         "checkpoint": {
             "saves": len(saves),

@@ -32,7 +32,7 @@ class JoinInfo:
     generation: int
     store_host: str
     store_port: int
-    world_size: int
+    members: tuple[int, ...]  # live logical ranks; a rank's place in it is its group rank
     backend: str
     device: str
 
@@ -102,8 +102,8 @@ class Worker:
             generation=info.generation,
             store_host=info.store_host,
             store_port=info.store_port,
-            rank=self.rank,
-            world_size=info.world_size,
+            rank=info.members.index(self.rank),
+            world_size=len(info.members),
             backend=info.backend,
             timeout_s=self.spec.pg_timeout_s,
             rendezvous_timeout_s=self.spec.reform_timeout_s,
@@ -112,8 +112,9 @@ class Worker:
             spec=self.spec,
             params=self.arch.params,
             rank=self.rank,
-            world_size=info.world_size,
+            world_size=self.spec.world_size,
             device=torch.device(info.device),
+            members=info.members,
             group=group,
             abort=self.abort_handle,
         )
@@ -123,7 +124,13 @@ class Worker:
 
     def restore(self, instruction: RestoreInstruction) -> list[CheckpointEvent]:
         assert self.trainer is not None, "join() before restore()"
-        events = self.hooks.restore(instruction, self.trainer)
+        if instruction.source == "survivors":
+            # Continue with this rank's own state, handed from the last generation's trainer.
+            assert self.previous is not None, "a survivor keeps the state it trained"
+            self.trainer.load_state_dict(self.previous.state_dict())
+            events: list[CheckpointEvent] = []
+        else:
+            events = self.hooks.restore(instruction, self.trainer)
         self.previous = None
         self.step = instruction.step
         return events
@@ -159,10 +166,11 @@ class Worker:
                 self.step = step
         return self._report("completed", "")
 
-    def digest(self) -> tuple[str, int]:
-        """(digest of this rank's parameters, bytes of its training state)."""
+    def digest(self) -> tuple[str, int, list[float]]:
+        """(digest of this rank's parameters, bytes of its state, a sample of its parameters)."""
         assert self.trainer is not None
-        return self.trainer.parameters_digest(), self.trainer.state_bytes()
+        t = self.trainer
+        return t.parameters_digest(), t.state_bytes(), t.parameters_sample()
 
     def _report(self, status: str, reason: str) -> RunReport:
         records, checkpoints = self.drain()

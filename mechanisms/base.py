@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from architectures.base import Architecture, StateLayout, Trainer
     from failbench_ray.spec import ExperimentSpec
 
-RestoreSource = Literal["scratch", "checkpoint"]
+RestoreSource = Literal["scratch", "checkpoint", "survivors"]
 
 
 class NoParams(BaseModel):
@@ -41,16 +41,30 @@ class FailureContext:
     failure_step: int  # the step in flight when the failure hit
     quiesce: str
     latest_checkpoint: int | None = None  # latest complete durable checkpoint, if any
+    furthest_step: int = 0  # the last step the most advanced survivor completed
 
 
 @dataclass(frozen=True)
 class RecoveryPlan:
-    """What to do after a failure: which ranks get new actors, and where state comes from."""
+    """What to do after a failure: which ranks get new actors, which leave the group, and
+    where state comes from."""
 
     replace: tuple[int, ...]
     source: RestoreSource
     restore_step: int
     note: str = ""
+    drop: tuple[int, ...] = ()  # dead ranks that leave the group (training goes on without)
+
+
+def continue_without_dead(failure: FailureContext) -> RecoveryPlan:
+    """Survivors keep their state and go on from where the furthest of them got."""
+    return RecoveryPlan(
+        replace=(),
+        source="survivors",
+        restore_step=max(failure.committed_step, failure.furthest_step),
+        note=f"continue without rank(s) {sorted(failure.dead)}, no rollback",
+        drop=tuple(sorted(failure.dead)),
+    )
 
 
 @dataclass(frozen=True)
