@@ -7,7 +7,7 @@ from failbench_ray.registry import Registry
 
 ARCHITECTURES: Registry[type[Architecture]] = Registry("architecture")
 
-from architectures import ddp, fsdp, gossip, hybrid, pipeline, tensor  # noqa: E402  (each module registers itself)
+from architectures import ddp, fsdp, gossip, hybrid, pipeline, ps, tensor  # noqa: E402  (each module registers itself)
 
 __all__ = [
     "ARCHITECTURES",
@@ -19,5 +19,6 @@ __all__ = [
     "gossip",
     "hybrid",
     "pipeline",
+    "ps",
     "tensor",
 ]

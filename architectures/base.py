@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -75,6 +75,7 @@ class WorkerContext:
     group: Any  # torch.distributed.ProcessGroup of the live members
     abort: AbortHandle
     members: tuple[int, ...] = ()  # live logical ranks, in group-rank order
+    peers: dict[int, Any] = field(default_factory=dict)  # rank -> worker actor handle
 
     @property
     def group_rank(self) -> int:

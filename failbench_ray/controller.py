@@ -368,6 +368,7 @@ class TrialController:
             store_host=self.store_host,
             store_port=self.store.port if self.store is not None else 0,
             members=tuple(self.members),
+            peers=dict(self.group.handles) if self.group is not None else {},
             backend=self.placement.backend,
             device=self.placement.device,
         )

@@ -158,14 +158,17 @@ def fill_resume_phases(failures: Sequence[FailureRecord], records: Sequence[Step
     caught up: the step that was in flight at the failure is done again on every rank.
     """
     done: dict[tuple[int, int], float] = defaultdict(float)
+    started: dict[tuple[int, int], float] = {}
     for r in records:
         key = (r.generation, r.step)
         done[key] = max(done[key], r.t_end)
+        started[key] = min(started.get(key, r.t_start), r.t_start)
     for f in failures:
         if f.restored_from_step is None or f.interrupted_by is not None:
             continue
         gens = sorted({g for (g, s) in done if s == f.restored_from_step + 1})
-        later = [g for g in gens if done[(g, f.restored_from_step + 1)] > f.t_injected]
+        # A step of the old generation can end just after the kill; the resumed one starts after.
+        later = [g for g in gens if started[(g, f.restored_from_step + 1)] > f.t_injected]
         if not later:
             continue
         gen = later[0]

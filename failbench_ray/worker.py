@@ -35,6 +35,7 @@ class JoinInfo:
     members: tuple[int, ...]  # live logical ranks; a rank's place in it is its group rank
     backend: str
     device: str
+    peers: dict[int, Any] = field(default_factory=dict)  # rank -> actor handle, this generation
 
 
 @dataclass
@@ -86,6 +87,12 @@ class Worker:
     def progress(self) -> int:
         return self.step
 
+    def call_trainer(self, method: str, *args: Any) -> Any:
+        """Serve a peer's request to this rank's trainer (e.g. a parameter server's push/pull),
+        on one of the actor's extra threads."""
+        assert self.trainer is not None, "join() before serving peers"
+        return getattr(self.trainer, method)(*args)
+
     def drain(self) -> tuple[list[StepRecord], list[CheckpointEvent]]:
         """Hand over the records kept so far (also from the second thread, e.g. before a kill)."""
         with self._lock:
@@ -115,6 +122,7 @@ class Worker:
             world_size=self.spec.world_size,
             device=torch.device(info.device),
             members=info.members,
+            peers=info.peers,
             group=group,
             abort=self.abort_handle,
         )

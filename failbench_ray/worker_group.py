@@ -35,6 +35,7 @@ class WorkerGroup:
         self, spec: ExperimentSpec, run_dir: Path, chaos: Any, placement: Placement, label: str
     ) -> None:
         self._spec = spec.model_dump(mode="json")
+        self._ranks = range(spec.world_size)
         self._run_dir = str(run_dir)
         self._chaos = chaos
         self.placement = placement
@@ -52,6 +53,9 @@ class WorkerGroup:
             new[r] = WorkerActor.options(  # type: ignore[attr-defined]
                 num_cpus=self.placement.num_cpus,
                 num_gpus=self.placement.num_gpus,
+                # The training thread, the driver's abort/progress calls, and peers' requests
+                # (a parameter server serves every worker's push and pull at once).
+                max_concurrency=len(self._ranks) + 2,
                 # Shows on the Ray dashboard which rank (and which replacement) an actor is.
                 name=f"{self._label}-rank{r}-i{n}",
             ).remote(r, self._spec, self._run_dir, self._chaos)

@@ -82,6 +82,7 @@ CORRECTNESS = {
     "tensor-mlp": ("tensor", 2, MLP),
     "tensor-gpt": ("tensor", 4, GPT),
     "hybrid-2x2": ({"name": "hybrid", "params": {"dp": 2, "pp": 2}}, 4, MLP),
+    "ps-sync-2-servers": ({"name": "ps", "params": {"servers": 2}}, 4, MLP),
 }
 
 
@@ -112,6 +113,10 @@ FAILURES = {
         {"kind": "cascading",
          "events": [{"rank": 1, "at_step": 12}, {"rank": 3, "during": "restoring"}]},
     ),
+    "ps-server-killed": (
+        {"name": "ps", "params": {"servers": 2}}, 4, MLP, "disk_ckpt",
+        {"kind": "single", "rank": 0, "at_step": 12},
+    ),
     "hybrid-none-ray-kill": (
         {"name": "hybrid", "params": {"dp": 2, "pp": 2}}, 4, MLP, "none",
         {"kind": "single", "rank": 3, "at_step": 9, "kill": "ray_kill"},
@@ -131,8 +136,10 @@ def test_survives_failures_and_matches_the_baseline(
     assert result.status == "completed" and trial.status == "completed", trial.error
     assert len(trial.failures) == len(spec["failures"].get("events", [None]))
     assert all(f.phases.caught_up_s is not None for f in trial.failures[-1:])
-    # Survivors sit in torch's own collectives: they are killed and replaced, and it says so.
-    assert trial.failures[0].quiesce.startswith("kill_survivors")
+    # Survivors in torch's own collectives are killed and replaced, and the result says so;
+    # the parameter server's waits go through the abort handle.
+    abortable = name.startswith("ps")
+    assert trial.failures[0].quiesce.startswith("abort" if abortable else "kill_survivors")
     assert trial.matches_baseline is True
     extra = trial.model_extra or {}
     assert extra["state_bytes_per_rank"] > 0
@@ -184,3 +191,18 @@ def test_gossip_with_replacement_rolls_back_and_replays_exactly(
     assert trial.failures[0].restored_from_step == 10
     assert (trial.model_extra or {})["ranks_at_end"] == [0, 1, 2, 3]
     assert trial.matches_baseline is True
+
+
+@pytest.mark.usefixtures("no_leaks")
+def test_async_parameter_server_learns_and_survives_a_worker_kill(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    arch = {"name": "ps", "params": {"servers": 1, "mode": "async"}}
+    trace = {"kind": "single", "rank": 2, "at_step": 12}
+    spec = spec_for(arch, 3, MLP, steps=30, mechanism="disk_ckpt", failures=trace)
+    result, losses = run(spec, sqlite_url, tmp_path)
+    trial = result.trials[0]
+    assert trial.status == "completed", trial.error
+    assert losses[-1] < losses[0]
+    assert trial.failures[0].restored_from_step == 10
+    assert trial.match_expected is False and trial.matches_baseline is None
