@@ -198,6 +198,51 @@ BAD_SPECS: dict[str, tuple[Any, list[str]]] = {
         },
         ["events[1] fires during reforming", "rank(s) [1]", "still dead", "restoring or resuming"],
     ),
+    "hybrid_shape_does_not_fit": (
+        {
+            "world_size": 6,
+            "batch_size": 12,
+            "architecture": {"name": "hybrid", "params": {"dp": 2, "pp": 2}},
+        },
+        ["dp x pp = 2 x 2 = 4 != world_size=6", "1x6, 2x3, 3x2"],
+    ),
+    "more_stages_than_layers": (
+        {"world_size": 6, "batch_size": 12, "architecture": "pipeline", "model": {"depth": 2}},
+        ["6 pipeline stages", "has 3 layers", "at most 3 stages"],
+    ),
+    "tp_degree_does_not_divide_hidden": (
+        {"world_size": 3, "batch_size": 12, "architecture": "tensor", "model": {"hidden_dim": 32}},
+        ["degree 3 does not divide model.hidden_dim=32", "degrees that fit: 1, 2, 4, 8, 16, 32"],
+    ),
+    "tp_degree_does_not_divide_heads": (
+        {
+            "world_size": 3,
+            "architecture": "tensor",
+            "batch_size": 12,
+            "model": {"kind": "transformer", "n_heads": 4, "d_model": 48},
+        },
+        ["does not divide model.n_heads=4"],
+    ),
+    "microbatches_do_not_divide_batch": (
+        {
+            "world_size": 2,
+            "batch_size": 12,
+            "architecture": {"name": "pipeline", "params": {"microbatches": 5}},
+        },
+        ["microbatches=5 does not divide the batch of 12", "1, 2, 3, 4, 6, 12"],
+    ),
+    "one_f_one_b_needs_enough_microbatches": (
+        {
+            "world_size": 4,
+            "batch_size": 8,
+            "architecture": {"name": "pipeline", "params": {"schedule": "1f1b", "microbatches": 2}},
+        },
+        ["1f1b", "microbatches=2 < 4 stages", "microbatches >= 4"],
+    ),
+    "ps_without_workers": (
+        {"world_size": 2, "architecture": {"name": "ps", "params": {"servers": 2}}},
+        ["leaves no worker", "servers <= 1"],
+    ),
     "world_size_1": (
         {"world_size": 1},
         ["world_size", "greater than or equal to 2"],
