@@ -117,6 +117,10 @@ class Trainer(ABC):
             total += t.numel() * t.element_size()
         return total
 
+    def metrics(self) -> dict[str, float]:
+        """Architecture-specific measurements of this rank, reported with the result."""
+        return {}
+
     def parameters_sample(self, n: int = 256) -> list[float]:
         """The first n values of this rank's flattened parameters (to compare replicas)."""
         out: list[float] = []

@@ -8,6 +8,8 @@ from exactly the single-process initialisation. `PipelineTrainer` is shared with
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from typing import Any, Literal
 
 import torch
@@ -101,23 +103,51 @@ class PipelineTrainer(Trainer):
         )
         self.optimizer = build_optimizer(spec.optimizer, self.module.parameters())
         self.data = SyntheticData(spec.model, spec.seed)
+        # Bubble measurement: time this stage spends computing micro-batches within a step.
+        self._busy_s = 0.0
+        self._fractions: list[float] = []
+        for name in ("forward_one_chunk", "backward_one_chunk"):
+            setattr(pipe_stage, name, self._timed(getattr(pipe_stage, name)))
+
+    def _timed(self, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._busy_s += time.perf_counter() - t0
+
+        return timed
 
     def train_step(self, step: int) -> StepOutput:
         spec, device = self.ctx.spec, self.ctx.device
         x, y = self.data.shard(step, spec.batch_size, self.dp_index, self.dp)
         self.optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
+        self._busy_s, t0 = 0.0, time.perf_counter()
         if self.stage == 0:
             self.schedule.step(x.to(device))
         elif self.stage == self.stages - 1:
             self.schedule.step(target=y.to(device), losses=losses)
         else:
             self.schedule.step()
+        if step > spec.warmup_steps:
+            self._fractions.append(1.0 - self._busy_s / (time.perf_counter() - t0))
         if self.dp > 1:
             self._average_over_replicas()
         self.optimizer.step()
         loss = float(torch.stack(losses).mean()) if losses else math.nan
         return StepOutput(loss=loss, samples=len(x) if self.stage == 0 else 0)
+
+    def metrics(self) -> dict[str, float]:
+        """Measured bubble (idle share of the schedule's time on this stage) vs theory."""
+        m, p = self.ctx.params.microbatches, self.stages
+        if not self._fractions:
+            return {}
+        return {
+            "bubble_fraction": statistics.median(self._fractions),
+            "bubble_fraction_theory": (p - 1) / (m + p - 1),
+        }
 
     def _average_over_replicas(self) -> None:
         """Average this stage's gradients over its data-parallel replicas, in parameter order."""

@@ -566,7 +566,81 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             f"{mr.get('wall_s', 0):.1f} s, exit {mr.get('exit_code')} "
             f"(goal < {MAKE_RUN_GOAL_S:g} s)",
         )
+    a = g.get("architectures", {})
+    if a.get("status") == "error":
+        line("architectures", "")
+    for name, m in a.get("measured", {}).items():
+        bubble = ""
+        if m.get("bubble_fraction") is not None:
+            bubble = (
+                f", bubble {m['bubble_fraction']:.2f} measured vs "
+                f"{m['bubble_fraction_theory']:.2f} theory"
+            )
+        sps = m.get("samples_per_s")
+        lines.append(
+            f"  arch {name:<16}{m['status']:<11}step {_ms(m['step_time_s'])}, "
+            f"{'-' if sps is None else f'{sps:.0f}'} samples/s{bubble}"
+        )
     return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# Architectures: steady-state step time and samples/s on 8 CPU workers (reported, no goal)
+
+_ARCH_MLP = {"kind": "mlp", "input_dim": 64, "hidden_dim": 256, "depth": 7}
+ARCH_SPECS: dict[str, dict[str, Any]] = {
+    "ddp": {"architecture": "ddp"},
+    "fsdp": {"architecture": "fsdp"},
+    "ps": {"architecture": {"name": "ps", "params": {"servers": 1}}},
+    "pipeline-gpipe": {"architecture": {"name": "pipeline", "params": {"microbatches": 8}}},
+    "pipeline-1f1b": {
+        "architecture": {"name": "pipeline", "params": {"schedule": "1f1b", "microbatches": 8}}
+    },
+    "tensor": {"architecture": "tensor"},
+    "hybrid": {"architecture": "hybrid"},
+    "gossip": {"architecture": "gossip"},
+}
+
+
+def goal_architectures(env: Env, cfg: BenchConfig) -> dict[str, Any]:
+    world = cfg.overhead_world
+    measured: dict[str, Any] = {}
+    for name, over in ARCH_SPECS.items():
+        data: dict[str, Any] = {
+            "name": f"bench-arch-{name}",
+            "world_size": world,
+            "model": _ARCH_MLP,
+            "steps": 30,
+            "batch_size": 64,
+            "baseline": False,
+            "mechanism": "none",
+            **over,
+        }
+        if name == "hybrid":
+            data["architecture"] = {"name": "hybrid", "params": {"dp": 2, "pp": world // 2}}
+        if name == "ps":
+            data["batch_size"] = 9 * (world - 1)  # split over the world - 1 workers
+        result, wall = run_spec(env, data)
+        t = result.trials[0]
+        extra = t.model_extra or {}
+        measured[name] = {
+            "status": t.status,
+            "error": t.error,
+            "step_time_s": t.step_time_s,
+            "samples_per_s": extra.get("samples_per_s"),
+            "state_bytes_per_rank": extra.get("state_bytes_per_rank"),
+            "bubble_fraction": extra.get("bubble_fraction"),
+            "bubble_fraction_theory": extra.get("bubble_fraction_theory"),
+            "wall_s": wall,
+        }
+    return {
+        "goal": "report each architecture's step time and samples/s (no threshold)",
+        "met": None,
+        "status": "reported",
+        "world_size": world,
+        "model": _ARCH_MLP,
+        "measured": measured,
+    }
 
 
 def run_bench(cfg: BenchConfig, tmp: Path) -> dict[str, Any]:
@@ -584,6 +658,11 @@ def run_bench(cfg: BenchConfig, tmp: Path) -> dict[str, Any]:
                 "fast_quiesce",
                 "quiesced_s - detected_s <= 0.200 s with quiesce: abort",
                 lambda: goal_quiesce(env, cfg),
+            )
+            goals["architectures"] = guarded(
+                "architectures",
+                "report step time and samples/s per architecture",
+                lambda: goal_architectures(env, cfg),
             )
     finally:
         db.dispose()

@@ -59,6 +59,7 @@ class TrialOutcome:
     state_bytes_per_rank: int | None = None  # measured on the final state (largest rank)
     members: list[int] = field(default_factory=list)  # ranks still training at the end
     replica_spread: float | None = None  # for architectures where every rank is a replica
+    arch_metrics: dict[str, float] = field(default_factory=dict)  # mean over the ranks
     error: str | None = None
 
 
@@ -416,6 +417,7 @@ class TrialController:
             raise RecoveryError(f"computing the final digest failed: {got.errors or got.dead}")
         self.outcome.state_bytes_per_rank = max(v[1] for v in got.values.values())
         self.outcome.members = list(self.members)
+        self.outcome.arch_metrics = results.mean_by_key([v[3] for v in got.values.values()])
         if self.layout.replica_groups() == [[r] for r in range(self.spec.world_size)]:
             # Every rank its own replica (gossip): how far apart did they end?
             self.outcome.replica_spread = results.replica_spread(

@@ -241,3 +241,9 @@ def replica_spread(samples: Sequence[Sequence[float]]) -> float | None:
     return max(
         math.sqrt(sum((a - b) ** 2 for a, b in zip(x, mean, strict=True))) / norm for x in samples
     )
+
+
+def mean_by_key(rows: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Mean of each key over the rows that have it."""
+    keys = sorted({k for row in rows for k in row})
+    return {k: statistics.fmean(row[k] for row in rows if k in row) for k in keys}

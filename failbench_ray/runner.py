@@ -195,6 +195,7 @@ def _extras(resolved: Resolved, outcome: TrialOutcome, steady: list[float]) -> d
         },
         "ranks_at_end": outcome.members,
         "replica_spread": outcome.replica_spread,
+        **outcome.arch_metrics,
         **results.throughput_around_failures(outcome.records, outcome.failures, spec.warmup_steps),
         "recoveries": sum(f.restored_from_step is not None for f in outcome.failures),
         "checkpoint": {

@@ -174,11 +174,12 @@ class Worker:
                 self.step = step
         return self._report("completed", "")
 
-    def digest(self) -> tuple[str, int, list[float]]:
-        """(digest of this rank's parameters, bytes of its state, a sample of its parameters)."""
+    def digest(self) -> tuple[str, int, list[float], dict[str, float]]:
+        """(digest of this rank's parameters, bytes of its state, a sample of its parameters,
+        the architecture's own measurements)."""
         assert self.trainer is not None
         t = self.trainer
-        return t.parameters_digest(), t.state_bytes(), t.parameters_sample()
+        return t.parameters_digest(), t.state_bytes(), t.parameters_sample(), t.metrics()
 
     def _report(self, status: str, reason: str) -> RunReport:
         records, checkpoints = self.drain()
