@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from architectures import state
+from failbench_ray.errors import SpecError
 
 if TYPE_CHECKING:
     from failbench_ray.comm import AbortHandle
@@ -133,6 +134,16 @@ class Trainer(ABC):
     def parameters_digest(self) -> str:
         """sha256 of this rank's parameters (its shard), in name order."""
         return tensors_digest(list(self.module.state_dict().items()))
+
+
+def check_batch_splits(batch_size: int, parts: int, over: str) -> None:
+    """Refuse a global batch that does not split evenly, suggesting sizes that do."""
+    if batch_size % parts:
+        fits = [k * parts for k in range(max(1, batch_size // parts), batch_size // parts + 3)]
+        raise SpecError(
+            f"batch_size={batch_size} does not split over {over}; use a multiple of {parts}, "
+            f"e.g. {', '.join(map(str, fits))}"
+        )
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

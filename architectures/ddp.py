@@ -11,10 +11,10 @@ from architectures.base import (
     StepOutput,
     Trainer,
     WorkerContext,
+    check_batch_splits,
 )
 from failbench_ray.comm import CanonicalAllReduceHook
 from failbench_ray.data import SyntheticData
-from failbench_ray.errors import SpecError
 from failbench_ray.models import build_model, loss_fn
 from failbench_ray.optim import build_optimizer
 
@@ -58,13 +58,8 @@ class DDP(Architecture):
     abortable = True
 
     def check(self) -> None:
-        b, w = self.spec.batch_size, self.spec.world_size
-        if b % w:
-            fits = [k * w for k in range(max(1, b // w), b // w + 3)]
-            raise SpecError(
-                f"batch_size={b} does not split over world_size={w} ranks; use a multiple of "
-                f"{w}, e.g. {', '.join(map(str, fits))}"
-            )
+        w = self.spec.world_size
+        check_batch_splits(self.spec.batch_size, w, f"world_size={w} ranks")
 
     def layout(self) -> StateLayout:
         w = self.spec.world_size

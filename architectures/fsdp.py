@@ -11,9 +11,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from architectures import ARCHITECTURES
-from architectures.base import Architecture, StateLayout, StepOutput, Trainer, WorkerContext
+from architectures.base import (
+    Architecture,
+    StateLayout,
+    StepOutput,
+    Trainer,
+    WorkerContext,
+    check_batch_splits,
+)
 from failbench_ray.data import SyntheticData
-from failbench_ray.errors import SpecError
 from failbench_ray.models import build_model, layers, loss_fn
 from failbench_ray.optim import build_optimizer
 
@@ -47,11 +53,8 @@ class FSDP(Architecture):
     trainer_cls = FSDPTrainer
 
     def check(self) -> None:
-        b, w = self.spec.batch_size, self.spec.world_size
-        if b % w:
-            raise SpecError(
-                f"batch_size={b} does not split over world_size={w} ranks; use a multiple of {w}"
-            )
+        w = self.spec.world_size
+        check_batch_splits(self.spec.batch_size, w, f"world_size={w} ranks")
 
     def layout(self) -> StateLayout:
         w = self.spec.world_size

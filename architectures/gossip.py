@@ -16,9 +16,15 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
 from architectures import ARCHITECTURES
-from architectures.base import Architecture, StateLayout, StepOutput, Trainer, WorkerContext
+from architectures.base import (
+    Architecture,
+    StateLayout,
+    StepOutput,
+    Trainer,
+    WorkerContext,
+    check_batch_splits,
+)
 from failbench_ray.data import SyntheticData
-from failbench_ray.errors import SpecError
 from failbench_ray.models import build_model, loss_fn
 from failbench_ray.optim import build_optimizer
 
@@ -97,11 +103,8 @@ class Gossip(Architecture):
     abortable = True
 
     def check(self) -> None:
-        b, w = self.spec.batch_size, self.spec.world_size
-        if b % w:
-            raise SpecError(
-                f"batch_size={b} does not split over world_size={w}; use a multiple of {w}"
-            )
+        w = self.spec.world_size
+        check_batch_splits(self.spec.batch_size, w, f"world_size={w} ranks")
 
     def layout(self) -> StateLayout:
         w = self.spec.world_size

@@ -19,7 +19,14 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from architectures import ARCHITECTURES
-from architectures.base import Architecture, StateLayout, StepOutput, Trainer, WorkerContext
+from architectures.base import (
+    Architecture,
+    StateLayout,
+    StepOutput,
+    Trainer,
+    WorkerContext,
+    check_batch_splits,
+)
 from failbench_ray.data import SyntheticData
 from failbench_ray.errors import SpecError
 from failbench_ray.models import build_model, layer_count, layers, loss_fn
@@ -61,10 +68,7 @@ def check_pipeline(spec: ExperimentSpec, stages: int, dp: int, params: PipelineP
             f"the 1f1b schedule needs at least as many micro-batches as stages: "
             f"microbatches={microbatches} < {stages} stages; use microbatches >= {stages}"
         )
-    if spec.batch_size % dp:
-        raise SpecError(
-            f"batch_size={spec.batch_size} does not split over {dp} data-parallel replicas"
-        )
+    check_batch_splits(spec.batch_size, dp, f"{dp} data-parallel replicas")
     per_replica = spec.batch_size // dp
     if per_replica % microbatches:
         fits = [m for m in range(1, per_replica + 1) if per_replica % m == 0]

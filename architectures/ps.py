@@ -20,7 +20,15 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from architectures import ARCHITECTURES, state
-from architectures.base import Architecture, StateLayout, StepOutput, Trainer, WorkerContext
+from architectures.base import (
+    Architecture,
+    StateLayout,
+    StepOutput,
+    Trainer,
+    WorkerContext,
+    check_batch_splits,
+    tensors_digest,
+)
 from failbench_ray.comm import CollectiveAborted
 from failbench_ray.data import SyntheticData
 from failbench_ray.errors import SpecError
@@ -123,8 +131,6 @@ class ServerTrainer(Trainer):
         state.load_optimizer_state(self.optimizer, saved["optimizer"])
 
     def parameters_digest(self) -> str:
-        from architectures.base import tensors_digest
-
         return tensors_digest([(str(i), p) for i, p in self.owned.items()])
 
 
@@ -202,11 +208,7 @@ class ParameterServer(Architecture):
                 f"ps with servers={p.servers} leaves no worker among world_size="
                 f"{self.spec.world_size}; use servers <= {self.spec.world_size - 1}"
             )
-        if self.spec.batch_size % w:
-            raise SpecError(
-                f"batch_size={self.spec.batch_size} does not split over {w} workers; "
-                f"use a multiple of {w}"
-            )
+        check_batch_splits(self.spec.batch_size, w, f"{w} workers")
 
     def layout(self) -> StateLayout:
         p = self.params
