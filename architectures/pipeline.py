@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from architectures import ARCHITECTURES
+from architectures import ARCHITECTURES, state
 from architectures.base import (
     Architecture,
     StateLayout,
@@ -27,6 +27,7 @@ from architectures.base import (
     WorkerContext,
     check_batch_splits,
 )
+from architectures.tensor import tensor_parallelize
 from failbench_ray.data import SyntheticData
 from failbench_ray.errors import SpecError
 from failbench_ray.models import build_model, layer_count, layers, loss_fn
@@ -91,6 +92,7 @@ class PipelineTrainer(Trainer):
         dp_index: int = 0,
         dp: int = 1,
         dp_group: Any = None,
+        tp_mesh: Any = None,
     ) -> None:
         super().__init__(ctx)
         spec, params = ctx.spec, ctx.params
@@ -99,6 +101,9 @@ class PipelineTrainer(Trainer):
         lo, hi = stage_bounds(layer_count(spec.model), stages)[stage]
         full = build_model(spec.model, spec.seed)
         self.module = nn.Sequential(*layers(full)[lo:hi]).to(ctx.device)
+        if tp_mesh is not None:  # tensor parallel inside the stage (pairs never cross stages)
+            named = [(str(i), m) for i, m in enumerate(self.module)]
+            tensor_parallelize(self.module, named, tp_mesh, tp_mesh.size())
         pipe_stage = PipelineStage(self.module, stage, stages, ctx.device, group=pp_group)
         self.schedule = SCHEDULES[params.schedule](
             pipe_stage,
@@ -155,7 +160,7 @@ class PipelineTrainer(Trainer):
 
     def _average_over_replicas(self) -> None:
         """Average this stage's gradients over its data-parallel replicas, in parameter order."""
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        grads = [state.local(p.grad) for p in self.module.parameters() if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.dp)
         self.ctx.abort.wait(dist.all_reduce(flat, group=self.dp_group, async_op=True))
         pos = 0

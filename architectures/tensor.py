@@ -21,34 +21,43 @@ from architectures import ARCHITECTURES
 from architectures.base import Architecture, StateLayout, StepOutput, Trainer, WorkerContext
 from failbench_ray.data import SyntheticData
 from failbench_ray.errors import SpecError
-from failbench_ray.models import MLP, Transformer, build_model, loss_fn
+from failbench_ray.models import MLP, Block, Transformer, build_model, loss_fn
 from failbench_ray.optim import build_optimizer
 from failbench_ray.spec import ModelSpec
 
 
-def tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
+def tp_plan(named: list[tuple[str, nn.Module]]) -> dict[str, ParallelStyle]:
+    """Column/row-parallel styles for these (name, layer) pairs: consecutive MLP hidden layers
+    are paired (an unpaired one stays replicated), transformer blocks are split inside."""
     plan: dict[str, ParallelStyle] = {}
-    if isinstance(model, MLP):
-        hidden = len(model.layers) - 1
-        for i in range(0, hidden - 1, 2):
-            plan[f"layers.{i}.0"] = ColwiseParallel()
-            plan[f"layers.{i + 1}.0"] = RowwiseParallel()
-        return plan
-    assert isinstance(model, Transformer)
-    for b in range(len(model.blocks)):
-        for name in ("attn.q", "attn.k", "attn.v", "fc1"):
-            plan[f"blocks.{b}.{name}"] = ColwiseParallel()
-        for name in ("attn.proj", "fc2"):
-            plan[f"blocks.{b}.{name}"] = RowwiseParallel()
+    hidden = [name for name, m in named if isinstance(m, nn.Sequential)]  # (Linear, ReLU)
+    for first, second in zip(hidden[0::2], hidden[1::2], strict=False):
+        plan[f"{first}.0"] = ColwiseParallel()
+        plan[f"{second}.0"] = RowwiseParallel()
+    for name, m in named:
+        if isinstance(m, Block):
+            for part in ("attn.q", "attn.k", "attn.v", "fc1"):
+                plan[f"{name}.{part}"] = ColwiseParallel()
+            for part in ("attn.proj", "fc2"):
+                plan[f"{name}.{part}"] = RowwiseParallel()
     return plan
 
 
-def tensor_parallelize(model: nn.Module, mesh: object, tp: int) -> None:
-    """Shard `model` in place over `mesh` (every rank built the same init: no broadcast)."""
-    parallelize_module(model, mesh, tp_plan(model), src_data_rank=None)  # type: ignore[arg-type]
-    if isinstance(model, Transformer):
-        for block in model.blocks:
-            block.attn.n_heads //= tp  # type: ignore[union-attr,operator]
+def named_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    if isinstance(model, MLP):
+        return [(f"layers.{i}", m) for i, m in enumerate(model.layers)]
+    assert isinstance(model, Transformer)
+    return [(f"blocks.{i}", m) for i, m in enumerate(model.blocks)]
+
+
+def tensor_parallelize(
+    module: nn.Module, named: list[tuple[str, nn.Module]], mesh: object, tp: int
+) -> None:
+    """Shard `module` in place over `mesh` (every rank built the same init: no broadcast)."""
+    parallelize_module(module, mesh, tp_plan(named), src_data_rank=None)  # type: ignore[arg-type]
+    for _, m in named:
+        if isinstance(m, Block):
+            m.attn.n_heads //= tp
 
 
 def check_tp_degree(spec: ModelSpec, tp: int) -> None:
@@ -77,7 +86,7 @@ class TensorTrainer(Trainer):
         spec = ctx.spec
         mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         self.module = build_model(spec.model, spec.seed).to(ctx.device)
-        tensor_parallelize(self.module, mesh, ctx.world_size)
+        tensor_parallelize(self.module, named_layers(self.module), mesh, ctx.world_size)
         self.optimizer = build_optimizer(spec.optimizer, self.module.parameters())
         self.data = SyntheticData(spec.model, spec.seed)
 

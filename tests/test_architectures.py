@@ -83,6 +83,12 @@ CORRECTNESS = {
     "tensor-gpt": ("tensor", 4, GPT),
     "hybrid-2x2": ({"name": "hybrid", "params": {"dp": 2, "pp": 2}}, 4, MLP),
     "ps-sync-2-servers": ({"name": "ps", "params": {"servers": 2}}, 4, MLP),
+    "hybrid-1x2x2-gpt": ({"name": "hybrid", "params": {"dp": 1, "pp": 2, "tp": 2}}, 4, GPT),
+    "hybrid-1x2x2-mlp": (
+        {"name": "hybrid", "params": {"dp": 1, "pp": 2, "tp": 2}},
+        4,
+        {**MLP, "depth": 5},
+    ),
 }
 
 
@@ -116,6 +122,10 @@ FAILURES = {
     "ps-server-killed": (
         {"name": "ps", "params": {"servers": 2}}, 4, MLP, "disk_ckpt",
         {"kind": "single", "rank": 0, "at_step": 12},
+    ),
+    "hybrid-tp-slice-killed": (
+        {"name": "hybrid", "params": {"dp": 1, "pp": 2, "tp": 2}}, 4, GPT, "disk_ckpt",
+        {"kind": "single", "rank": 3, "at_step": 12},
     ),
     "hybrid-none-ray-kill": (
         {"name": "hybrid", "params": {"dp": 2, "pp": 2}}, 4, MLP, "none",

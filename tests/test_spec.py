@@ -204,7 +204,16 @@ BAD_SPECS: dict[str, tuple[Any, list[str]]] = {
             "batch_size": 12,
             "architecture": {"name": "hybrid", "params": {"dp": 2, "pp": 2}},
         },
-        ["dp x pp = 2 x 2 = 4 != world_size=6", "1x6, 2x3, 3x2"],
+        ["dp x pp x tp = 2 x 2 x 1 = 4 != world_size=6", "1x6, 2x3, 3x2"],
+    ),
+    "hybrid_tp_does_not_divide_hidden": (
+        {
+            "world_size": 12,
+            "batch_size": 12,
+            "model": {"hidden_dim": 32},
+            "architecture": {"name": "hybrid", "params": {"dp": 2, "pp": 2, "tp": 3}},
+        },
+        ["degree 3 does not divide model.hidden_dim=32"],
     ),
     "more_stages_than_layers": (
         {"world_size": 6, "batch_size": 12, "architecture": "pipeline", "model": {"depth": 2}},
