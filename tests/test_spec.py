@@ -209,7 +209,7 @@ BAD_SPECS: dict[str, tuple[Any, list[str]]] = {
     "hybrid_tp_does_not_divide_hidden": (
         {
             "world_size": 12,
-            "batch_size": 12,
+            "batch_size": 16,
             "model": {"hidden_dim": 32},
             "architecture": {"name": "hybrid", "params": {"dp": 2, "pp": 2, "tp": 3}},
         },
