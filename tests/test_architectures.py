@@ -216,3 +216,51 @@ def test_async_parameter_server_learns_and_survives_a_worker_kill(
     assert losses[-1] < losses[0]
     assert trial.failures[0].restored_from_step == 10
     assert trial.match_expected is False and trial.matches_baseline is None
+
+
+ARCHS = {
+    "fsdp": ("fsdp", 4, MLP),
+    "tensor": ("tensor", 4, GPT),
+    "pipeline": ({"name": "pipeline"}, 4, MLP),
+    "hybrid": ({"name": "hybrid", "params": {"dp": 2, "pp": 2}}, 4, MLP),
+    "ps": ({"name": "ps", "params": {"servers": 1}}, 4, {**MLP, "depth": 2}),
+    "gossip": (gossip(), 4, MLP),
+}
+TRACES = {
+    # concurrent kills under `none` (restart from step 0), a cascade under `disk_ckpt`
+    "concurrent-none": ("none", {"kind": "concurrent", "ranks": [0, 2], "at_step": 9}),
+    "cascading-disk_ckpt": (
+        "disk_ckpt",
+        {
+            "kind": "cascading",
+            "events": [{"rank": 1, "at_step": 12}, {"rank": 3, "during": "restoring"}],
+        },
+    ),
+}
+
+
+@pytest.mark.usefixtures("no_leaks")
+@pytest.mark.parametrize("trace", list(TRACES))
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_every_architecture_survives_concurrent_and_cascading_failures(
+    arch: str, trace: str, sqlite_url: str, tmp_path: Path
+) -> None:
+    architecture, world, model = ARCHS[arch]
+    mechanism, failures = TRACES[trace]
+    batch = 15 if arch == "ps" else 16  # ps splits the batch over its 3 workers
+    spec = spec_for(
+        architecture, world, model, mechanism=mechanism, failures=failures, batch_size=batch
+    )
+    result, losses = run(spec, sqlite_url, tmp_path)
+    trial = result.trials[0]
+    assert result.status == "completed" and trial.status == "completed", trial.error
+    assert len(trial.failures) == len(failures.get("events", [None]))
+    assert trial.failures[-1].phases.caught_up_s is not None
+    assert len(losses) == 20
+    if arch == "gossip":  # goes on without the dead: nothing to match
+        assert trial.matches_baseline is None
+        assert len((trial.model_extra or {})["ranks_at_end"]) == world - len(
+            trial.failures[0].ranks
+        ) - (len(trial.failures) - 1)
+    else:  # rolled back (to step 0 or a checkpoint) and replayed: bit-identical
+        assert trial.matches_baseline is True
