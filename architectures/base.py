@@ -17,7 +17,9 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from architectures import state
+from failbench_ray.data import SyntheticData
 from failbench_ray.errors import SpecError
+from failbench_ray.models import loss_fn
 
 if TYPE_CHECKING:
     from failbench_ray.comm import AbortHandle
@@ -92,6 +94,7 @@ class Trainer(ABC):
 
     module: nn.Module
     optimizer: torch.optim.Optimizer
+    data: SyntheticData
 
     def __init__(self, ctx: WorkerContext) -> None:
         self.ctx = ctx
@@ -99,6 +102,16 @@ class Trainer(ABC):
     @abstractmethod
     def train_step(self, step: int) -> StepOutput:
         """One optimizer step; raise CollectiveAborted (before the update) if a peer died."""
+
+    def backward_on_shard(self, step: int, model: nn.Module) -> tuple[torch.Tensor, int]:
+        """Zero the gradients, then forward and backward this rank's part of the step's global
+        batch (the data-parallel architectures). Returns (loss, samples)."""
+        spec, ctx = self.ctx.spec, self.ctx
+        x, y = self.data.shard(step, spec.batch_size, ctx.rank, ctx.world_size)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(spec.model, model(x.to(ctx.device)), y.to(ctx.device))
+        loss.backward()
+        return loss.detach(), len(x)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state (its shard): model and optimizer, as local tensors."""

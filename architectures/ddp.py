@@ -15,7 +15,7 @@ from architectures.base import (
 )
 from failbench_ray.comm import CanonicalAllReduceHook
 from failbench_ray.data import SyntheticData
-from failbench_ray.models import build_model, loss_fn
+from failbench_ray.models import build_model
 from failbench_ray.optim import build_optimizer
 
 # One bucket for all gradients, so the canonical hook sees every gradient at once.
@@ -39,15 +39,10 @@ class DDPTrainer(Trainer):
         self.data = SyntheticData(spec.model, spec.seed)
 
     def train_step(self, step: int) -> StepOutput:
-        spec, ctx = self.ctx.spec, self.ctx
-        x, y = self.data.shard(step, spec.batch_size, ctx.rank, ctx.world_size)
-        x, y = x.to(ctx.device), y.to(ctx.device)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(spec.model, self.model(x), y)
-        loss.backward()
-        ctx.abort.check()  # a peer died during the all-reduce: skip the update
+        loss, samples = self.backward_on_shard(step, self.model)
+        self.ctx.abort.check()  # a peer died during the all-reduce: skip the update
         self.optimizer.step()
-        return StepOutput(loss=float(loss.detach()), samples=len(x))
+        return StepOutput(loss=float(loss), samples=samples)
 
 
 @ARCHITECTURES.register("ddp")

@@ -25,7 +25,7 @@ from architectures.base import (
     check_batch_splits,
 )
 from failbench_ray.data import SyntheticData
-from failbench_ray.models import build_model, loss_fn
+from failbench_ray.models import build_model
 from failbench_ray.optim import build_optimizer
 
 
@@ -64,15 +64,11 @@ class GossipTrainer(Trainer):
         self.data = SyntheticData(spec.model, spec.seed)
 
     def train_step(self, step: int) -> StepOutput:
-        spec, ctx = self.ctx.spec, self.ctx
-        x, y = self.data.shard(step, spec.batch_size, ctx.rank, ctx.world_size)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(spec.model, self.module(x.to(ctx.device)), y.to(ctx.device))
-        loss.backward()
-        if step % ctx.params.period == 0:
+        loss, samples = self.backward_on_shard(step, self.module)
+        if step % self.ctx.params.period == 0:
             self._average_with_neighbours(step)  # raises before the update if a peer died
         self.optimizer.step()
-        return StepOutput(loss=float(loss.detach()), samples=len(x))
+        return StepOutput(loss=float(loss), samples=samples)
 
     def _average_with_neighbours(self, step: int) -> None:
         ctx = self.ctx
