@@ -59,9 +59,10 @@ class WorkerGroup:
                 # Shows on the Ray dashboard which rank (and which replacement) an actor is.
                 name=f"{self._label}-rank{r}-i{n}",
             ).remote(r, self._spec, self._run_dir, self._chaos)
+            # Known at once, so that a shutdown while they start (Ctrl-C) kills them too.
+            self.handles[r] = new[r]
         infos = ray.get([h.ready.remote() for h in new.values()])
-        for (r, h), info in zip(new.items(), infos, strict=True):
-            self.handles[r] = h
+        for r, info in zip(new, infos, strict=True):
             self.pids[r] = info["pid"]
 
     def targets(self) -> dict[int, tuple[int, Any]]:
