@@ -79,6 +79,16 @@ class WorkerContext:
     abort: AbortHandle
     members: tuple[int, ...] = ()  # live logical ranks, in group-rank order
     peers: dict[int, Any] = field(default_factory=dict)  # rank -> worker actor handle
+    # Which part of each global batch this rank trains on: its logical rank of the spec's
+    # world, unless the mechanism re-balances the data over the live members (elastic).
+    data_index: int | None = None
+    data_count: int | None = None
+
+    @property
+    def data_part(self) -> tuple[int, int]:
+        if self.data_index is None or self.data_count is None:
+            return self.rank, self.world_size
+        return self.data_index, self.data_count
 
     @property
     def group_rank(self) -> int:
@@ -107,7 +117,7 @@ class Trainer(ABC):
         """Zero the gradients, then forward and backward this rank's part of the step's global
         batch (the data-parallel architectures). Returns (loss, samples)."""
         spec, ctx = self.ctx.spec, self.ctx
-        x, y = self.data.shard(step, spec.batch_size, ctx.rank, ctx.world_size)
+        x, y = self.data.shard(step, spec.batch_size, *ctx.data_part)
         self.optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(spec.model, model(x.to(ctx.device)), y.to(ctx.device))
         loss.backward()
@@ -199,7 +209,7 @@ class Architecture(ABC):
     # True when every collective of a step runs through the worker's AbortHandle, so the
     # `abort` quiesce can pull survivors out of a dead collective and keep their state. Torch's
     # own FSDP, DTensor and pipelining collectives block inside gloo: survivors are killed.
-    abortable: ClassVar[bool] = False
+    abortable: bool = False
 
     def continues_without_dead(self) -> bool:
         """True when training goes on without a dead rank (no barrier, no rollback): recovery

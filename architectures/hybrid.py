@@ -51,6 +51,13 @@ class Hybrid(Architecture):
     Params = HybridParams
     trainer_cls = HybridTrainer
 
+    @property
+    def abortable(self) -> bool:  # type: ignore[override]
+        # Pipeline messages and the data-parallel all-reduce are abortable; DTensor's
+        # tensor-parallel collectives inside a stage are not.
+        assert isinstance(self.params, HybridParams)
+        return self.params.tp == 1
+
     def check(self) -> None:
         p = self.params
         assert isinstance(p, HybridParams)

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+import torch.distributed.pipelining.schedules as _schedules
+import torch.distributed.pipelining.stage as _stage
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -35,6 +37,41 @@ from failbench_ray.optim import build_optimizer
 from failbench_ray.spec import ExperimentSpec
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+# -- making torch's pipelining abortable ----------------------------------------------------
+# The schedules wait for their point-to-point messages in one module-level function, and the
+# stage's first-step handshake uses blocking send/recv. Both are routed through the running
+# trainer's AbortHandle, so a stage waiting on a dead peer is released by the driver's abort
+# (the step is then not applied) instead of blocking inside gloo. One training thread per
+# worker process, so one current handle is enough.
+_current_abort: Any = None
+
+
+def _abortable_wait(works: list[dist.Work]) -> None:
+    for w in works:
+        if _current_abort is None:
+            w.wait()
+        else:
+            _current_abort.wait(w)
+
+
+class _AbortableDist:
+    """torch.distributed as the pipeline stage module sees it: send/recv become abortable."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+    def send(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
+        _abortable_wait([dist.isend(tensor, dst=dst, group=group, tag=tag)])
+
+    def recv(self, tensor: torch.Tensor, src: int, group: Any = None, tag: int = 0) -> int:
+        _abortable_wait([dist.irecv(tensor, src=src, group=group, tag=tag)])
+        return src
+
+
+_schedules._wait_batch_p2p = _abortable_wait  # type: ignore[assignment]
+_stage.dist = _AbortableDist()  # type: ignore[assignment]
 
 
 class PipelineParams(BaseModel):
@@ -129,6 +166,8 @@ class PipelineTrainer(Trainer):
         return timed
 
     def train_step(self, step: int) -> StepOutput:
+        global _current_abort
+        _current_abort = self.ctx.abort
         spec, device = self.ctx.spec, self.ctx.device
         x, y = self.data.shard(step, spec.batch_size, self.dp_index, self.dp)
         self.optimizer.zero_grad(set_to_none=True)
@@ -142,6 +181,7 @@ class PipelineTrainer(Trainer):
             self.schedule.step()
         if step > spec.warmup_steps:
             self._fractions.append(1.0 - self._busy_s / (time.perf_counter() - t0))
+        self.ctx.abort.check()  # a message of this step was aborted: skip the update
         if self.dp > 1:
             self._average_over_replicas()
         self.optimizer.step()
@@ -185,6 +225,7 @@ class Pipeline(Architecture):
     summary = "pipeline parallel (torch.distributed.pipelining): one stage per rank"
     Params = PipelineParams
     trainer_cls = _PipelineTrainer
+    abortable = True  # every message goes through the worker's AbortHandle (see above)
 
     def check(self) -> None:
         p = self.params

@@ -24,7 +24,7 @@ from typing import Any
 
 import ray
 import torch.distributed as dist
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from failbench_ray import results
 from failbench_ray.checks import Resolved
@@ -35,6 +35,7 @@ from failbench_ray.worker import JoinInfo, RunReport
 from failbench_ray.worker_group import Placement, WorkerGroup
 from injector.chaos import ChaosActor
 from mechanisms.base import FailureContext, RecoveryPlan, RestoreInstruction
+from mechanisms.replication import ReplicaHolderActor
 
 _POLL_S = 0.5
 
@@ -68,6 +69,15 @@ class _Gathered:
     values: dict[int, Any] = field(default_factory=dict)
     dead: set[int] = field(default_factory=set)
     errors: dict[int, str] = field(default_factory=dict)
+
+
+def _one_line(err: BaseException) -> str:
+    """A rank's error in one line: for an error raised inside the actor, its last line (the
+    exception itself, not Ray's traceback header)."""
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    if isinstance(err, RayTaskError) and lines:
+        return lines[-1].strip()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"
 
 
 class TrialController:
@@ -110,6 +120,14 @@ class TrialController:
         self.store: dist.TCPStore | None = None
         self.chaos: Any = None
         self.group: WorkerGroup | None = None
+        self.holders: dict[str, Any] = {}  # replica holders and ready hot spares, by name
+        self.spare_pids: dict[str, int] = {}
+        self.starting_spares: dict[str, tuple[Any, Any]] = {}  # name -> (handle, ready ref)
+        self.spares_made = 0
+        self.adopted: dict[str, Any] = {}  # spares that took a rank, by their spare name
+        self.survivor_steps: dict[int, int] = {}  # survivors of the last failure -> their step
+        self.growing: dict[int, Any] = {}  # elastic: dropped rank -> (handle, ready ref)
+        self.grow_failures: list[FailureRecord] = []  # failures whose ranks are growing back
 
     # -- driving ---------------------------------------------------------------------------
     def run(self) -> TrialOutcome:
@@ -137,6 +155,9 @@ class TrialController:
             self.chaos = None
         if self.group is not None:
             self.group.shutdown()
+        for h in self.holders.values():
+            ray.kill(h, no_restart=True)
+        self.holders.clear()
         self.store = None
 
     # -- states ----------------------------------------------------------------------------
@@ -144,7 +165,9 @@ class TrialController:
         self.store = dist.TCPStore(self.store_host, 0, is_master=True, wait_for_workers=False)
         self.chaos = ChaosActor.remote([e.model_dump() for e in self.events])  # type: ignore[attr-defined]
         self.group = WorkerGroup(self.spec, self.run_dir, self.chaos, self.placement, self.label)
+        self._start_holders()
         self.group.start(list(range(self.spec.world_size)))
+        self._spares_ready(wait=True)
         ray.get(self.chaos.set_targets.remote(self.group.targets()))
         got = self._join_all()
         if not got.dead and not got.errors:
@@ -160,6 +183,7 @@ class TrialController:
     def _training(self) -> State:
         assert self.group is not None
         fired = set(ray.get(self.chaos.fired.remote()))
+        self.survivor_steps = {}
         self.pending = {
             r: h.run.remote(self.committed + 1, self.spec.steps, self._armed(r, fired))
             for r, h in self.group.handles.items()
@@ -170,6 +194,7 @@ class TrialController:
             ready, _ = ray.wait(list(self.pending.values()), num_returns=1, timeout=_POLL_S)
             got = self._collect(ready)
             reports.update(got.values)
+            self.survivor_steps = {r: rep.last_step for r, rep in reports.items()}
             self._absorb(got.values.values())
             if got.dead:
                 return self._detected(got.dead)
@@ -179,6 +204,10 @@ class TrialController:
             if time.monotonic() - last_poll >= _POLL_S:
                 last_poll = time.monotonic()
                 self._poll_progress()
+                if self._spares_ready(wait=False):
+                    self._tell_holders()
+                if self.growing and self._grown_ready():
+                    return self._regrow()
         aborted = [r for r in reports.values() if r.status != "completed"]
         if aborted:
             raise RecoveryError(
@@ -201,7 +230,14 @@ class TrialController:
         got = self._collect(list(self.pending.values()), wait_all=True)
         self._absorb(got.values.values())
         t = time.time()
-        survivors = [rep.last_step for r, rep in got.values.items() if r not in got.dead]
+        # Ranks whose run() returned while training (a collective failed at once) count too.
+        self.survivor_steps |= {
+            r: rep.last_step for r, rep in got.values.items() if isinstance(rep, RunReport)
+        }
+        self.survivor_steps = {
+            r: s for r, s in self.survivor_steps.items() if r not in got.dead | self.dead
+        }
+        survivors = list(self.survivor_steps.values())
         if survivors:
             self.committed, self.furthest = min(survivors), max(survivors)
         if got.dead - self.dead:
@@ -225,12 +261,20 @@ class TrialController:
         )
         self.plan = plan
         self.group.kill([r for r in plan.replace if r not in self.dead])
-        self.group.start(list(plan.replace))
+        for r, name in plan.spares.items():  # hot spares take their ranks at once
+            handle = self.holders.pop(name)
+            self.adopted[name] = handle  # still a donor of its mirror in this restore
+            self.group.adopt(r, handle, self.spare_pids.pop(name))
+            self._start_spare()  # a new spare comes up in the background
+        self.group.start([r for r in plan.replace if r not in plan.spares])
         self.dead -= set(plan.replace)
         for r in plan.drop:  # training goes on without them
             self.members.remove(r)
             self.group.handles.pop(r)
             self.dead.discard(r)
+        if plan.grow:  # elastic: replacements start in the background; the group grows later
+            self.growing.update(self.group.start_async(list(plan.grow)))
+            self.grow_failures += self.open
         ray.get(self.chaos.set_targets.remote(self.group.targets()))
         got = self._on_all(lambda h: h.ready.remote())
         if not got.dead:
@@ -245,14 +289,11 @@ class TrialController:
     def _restoring(self) -> State:
         assert self.plan is not None
         self._phase_trigger("restoring")
-        instruction = RestoreInstruction(self.plan.source, self.plan.restore_step)
-        got = self._on_all(lambda h: h.restore.remote(instruction))
-        for events in got.values.values():
-            self.outcome.checkpoints += events
-        if got.dead:
-            return self._detected(got.dead)
-        if got.errors:
-            raise RecoveryError(f"restore failed: {next(iter(got.errors.values()))}")
+        dead = self._restore(self._instruction(self.plan), "restore")
+        if dead:
+            return self._detected(dead)
+        for h in self.holders.values():  # copies after the restored step are stale now
+            h.truncate.remote(self.plan.restore_step)
         t = time.time()
         self._stamp("restored", t)
         for f in self.open:
@@ -320,7 +361,13 @@ class TrialController:
 
     def _failure_context(self) -> FailureContext:
         steps = [f.injected_at_step for f in self.open] or [self.committed + 1]
+        alive = {r: s for r, s in self.survivor_steps.items() if r not in self.dead}
+        own, replicas = self._inventories(alive)
         return FailureContext(
+            survivor_steps=alive,
+            own_snapshots=own,
+            replicas=replicas,
+            spares=tuple(n for n in self.holders if n.startswith("spare")),
             world_size=self.spec.world_size,
             dead=frozenset(self.dead),
             layout=self.layout,
@@ -330,6 +377,138 @@ class TrialController:
             latest_checkpoint=self.mech.latest_checkpoint(self.run_dir, self.layout),
             furthest_step=max(self.furthest, self.committed),
         )
+
+    def _inventories(
+        self, alive: dict[int, int]
+    ) -> tuple[dict[int, tuple[int, ...]], dict[int, dict[int, tuple[str, ...]]]]:
+        """Who holds which copies now: survivors' own snapshots, every live holder's copies."""
+        assert self.group is not None
+        asked = {f"rank{r}": self.group.handles[r] for r in alive}
+        asked.update({n: h for n, h in self.holders.items()})
+        refs = {n: h.inventory.remote() for n, h in asked.items()}
+        own: dict[int, tuple[int, ...]] = {}
+        replicas: dict[int, dict[int, tuple[str, ...]]] = {}
+        for name, ref in refs.items():
+            try:
+                inv = ray.get(ref, timeout=10)
+            except (RayActorError, GetTimeoutError):
+                continue  # a holder that died took its copies with it
+            if name.startswith("rank"):
+                own[int(name[4:])] = tuple(inv["own"])
+                copies = inv["copies"]
+            else:
+                copies = inv if name.startswith("holder") else inv["copies"]
+            for shard, steps in copies.items():
+                for step in steps:
+                    at = replicas.setdefault(int(shard), {}).setdefault(int(step), ())
+                    replicas[int(shard)][int(step)] = (*at, name)
+        return own, replicas
+
+    def _restore(self, instruction: RestoreInstruction, what: str) -> set[int]:
+        """Every live rank loads its state; ranks that keep their own go first (a just-in-time
+        donor writes its file then). Returns ranks that died meanwhile."""
+        for keepers in (True, False):
+
+            def call(h: Any, r: int, keepers: bool = keepers) -> Any:
+                return h.restore.remote(instruction) if (r in instruction.keep) == keepers else None
+
+            got = self._on_all(call)
+            for events in got.values.values():
+                self.outcome.checkpoints += events
+            if got.dead:
+                return got.dead
+            if got.errors:
+                raise RecoveryError(f"{what} failed: {next(iter(got.errors.values()))}")
+        return set()
+
+    def _instruction(self, plan: RecoveryPlan) -> RestoreInstruction:
+        assert self.group is not None
+        keep = set(plan.keep)
+        if plan.source == "survivors":
+            keep |= set(self.survivor_steps) - self.dead
+        by_name = self.adopted | {f"rank{r}": h for r, h in self.group.handles.items()}
+        by_name |= self.holders
+        donors = {shard: (name, kind, by_name[name]) for shard, (name, kind) in plan.donors.items()}
+        return RestoreInstruction(plan.source, plan.restore_step, frozenset(keep), donors)
+
+    # -- replica holders, hot spares, growing back -----------------------------------------
+    def _start_holders(self) -> None:
+        for i in range(self.mech.holder_actors):
+            name = f"holder{i}"
+            self.holders[name] = ReplicaHolderActor.options(  # type: ignore[attr-defined]
+                name=f"{self.label}-{name}", scheduling_strategy="SPREAD"
+            ).remote()
+        ray.get([h.ready.remote() for h in self.holders.values()])
+        for _ in range(self.mech.spare_actors):
+            self._start_spare()
+
+    def _start_spare(self) -> None:
+        assert self.group is not None
+        name = f"spare{self.spares_made}"
+        self.spares_made += 1
+        self.starting_spares[name] = self.group.start_spare(name)
+
+    def _spares_ready(self, *, wait: bool) -> bool:
+        """Move spares that finished starting into the holders. True if any did."""
+        moved = False
+        for name, (handle, ref) in list(self.starting_spares.items()):
+            done, _ = ray.wait([ref], timeout=None if wait else 0)
+            if not done:
+                continue
+            del self.starting_spares[name]
+            try:
+                self.spare_pids[name] = ray.get(ref)["pid"]
+            except RayActorError:
+                continue
+            self.holders[name] = handle
+            moved = True
+        return moved
+
+    def _tell_holders(self) -> None:
+        """Workers learn of a new holder (a spare came up) without stopping."""
+        assert self.group is not None
+        members = tuple(self.members)
+        for r, h in self.group.handles.items():
+            if r not in self.dead:
+                h.set_holders.remote(self.holders, members)
+
+    def _grown_ready(self) -> bool:
+        refs = [ref for _, ref in self.growing.values()]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return len(done) == len(refs)
+
+    def _regrow(self) -> State:
+        """Elastic: the replacements are up; stop at a step boundary and take them back in."""
+        assert self.group is not None
+        for h in self.group.handles.values():
+            h.abort.remote()
+        got = self._collect(list(self.pending.values()), wait_all=True)
+        self._absorb(got.values.values())
+        if got.dead:
+            return self._detected(got.dead)
+        steps = {r: rep.last_step for r, rep in got.values.items()}
+        self.committed, self.furthest = min(steps.values()), max(steps.values())
+        self.survivor_steps = steps
+        grown = dict(self.growing)
+        self.growing = {}
+        self.group.wait_started(grown)
+        self.members = sorted(self.members + list(grown))
+        ray.get(self.chaos.set_targets.remote(self.group.targets()))
+        got = self._join_all()
+        if got.dead:
+            return self._detected(got.dead)
+        if got.errors:
+            raise RecoveryError(f"growing back failed: {next(iter(got.errors.values()))}")
+        self.plan = self.mech.grow_plan(self._failure_context(), tuple(grown))
+        dead = self._restore(self._instruction(self.plan), "growing back")
+        if dead:
+            return self._detected(dead)
+        t = time.time()
+        for f in self.grow_failures:
+            f.phases["grown"] = t - f.t_injected
+        self.grow_failures = []
+        self.committed = self.plan.restore_step
+        return State.TRAINING
 
     def _phase_trigger(self, phase: str) -> None:
         """Let the chaos actor fire a cascading failure as this recovery phase starts."""
@@ -370,14 +549,22 @@ class TrialController:
             store_port=self.store.port if self.store is not None else 0,
             members=tuple(self.members),
             peers=dict(self.group.handles) if self.group is not None else {},
+            holders=dict(self.holders),
             backend=self.placement.backend,
             device=self.placement.device,
         )
         return self._on_all(lambda h: h.join.remote(info))
 
-    def _on_all(self, call: Callable[[Any], Any]) -> _Gathered:
+    def _on_all(self, call: Callable[..., Any]) -> _Gathered:
+        """Call every live rank (`call(handle)` or `call(handle, rank)`; None skips a rank)."""
         assert self.group is not None
-        refs = {r: call(h) for r, h in self.group.handles.items() if r not in self.dead}
+        takes_rank = call.__code__.co_argcount >= 2
+        refs = {
+            r: call(h, r) if takes_rank else call(h)
+            for r, h in self.group.handles.items()
+            if r not in self.dead
+        }
+        refs = {r: ref for r, ref in refs.items() if ref is not None}
         self.pending = refs
         return self._collect(list(refs.values()), wait_all=True)
 
@@ -395,7 +582,7 @@ class TrialController:
             except RayActorError:
                 got.dead.add(rank)
             except Exception as err:  # noqa: BLE001  (a rank's error is data, not a crash)
-                got.errors[rank] = f"{type(err).__name__}: {err}".splitlines()[0]
+                got.errors[rank] = _one_line(err)
         return got
 
     def _absorb(self, reports: Any) -> None:

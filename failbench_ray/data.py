@@ -43,8 +43,8 @@ class SyntheticData:
     def shard(
         self, step: int, batch_size: int, index: int, count: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Part `index` of `count` equal parts of the global batch of `step`."""
+        """Part `index` of `count` contiguous parts of the global batch of `step` (equal when
+        `count` divides the batch; else the sizes differ by at most one sample)."""
         x, y = self.global_batch(step, batch_size)
-        per = batch_size // count
-        lo = index * per
-        return x[lo : lo + per], y[lo : lo + per]
+        lo, hi = index * batch_size // count, (index + 1) * batch_size // count
+        return x[lo:hi], y[lo:hi]

@@ -247,3 +247,55 @@ def mean_by_key(rows: Sequence[dict[str, float]]) -> dict[str, float]:
     """Mean of each key over the rows that have it."""
     keys = sorted({k for row in rows for k in row})
     return {k: statistics.fmean(row[k] for row in rows if k in row) for k in keys}
+
+
+def sample_accounting(records: Sequence[StepRecord], batch_size: int) -> dict[str, int]:
+    """What happened to the data, from the step records.
+
+    A step's *final* execution is its records in the last generation that ran it; what earlier
+    generations computed for it was rolled back. `samples_replayed`: samples trained again
+    after a rollback (wasted work); `samples_skipped`: samples of a global batch that the final
+    execution of its step did not train on (a rank gone and its share not re-balanced);
+    `samples_duplicated`: samples the final execution trained on more than once.
+    """
+    final_gen: dict[int, int] = {}
+    for r in records:
+        final_gen[r.step] = max(final_gen.get(r.step, r.generation), r.generation)
+    consumed: dict[int, int] = defaultdict(int)
+    replayed = 0
+    for r in records:
+        if r.generation == final_gen[r.step]:
+            consumed[r.step] += r.samples
+        else:
+            replayed += r.samples
+    return {
+        "samples_replayed": replayed,
+        "samples_skipped": sum(max(0, batch_size - n) for n in consumed.values()),
+        "samples_duplicated": sum(max(0, n - batch_size) for n in consumed.values()),
+    }
+
+
+def mechanism_costs(
+    records: Sequence[StepRecord], events: Sequence[Any], steps: int
+) -> dict[str, float | int | None]:
+    """What the mechanism cost: bytes saved or replicated (per step), time the step was blocked
+    per save, and what restores moved. `events` are `records.CheckpointEvent`s."""
+    saves = [e for e in events if e.kind == "save"]
+    copies = [e for e in events if e.kind == "replicate"]
+    restores = [e for e in events if e.kind == "restore"]
+    saved_at = {(e.rank, e.step) for e in saves + copies}
+    blocked = [r.blocked_s for r in records if (r.rank, r.step) in saved_at]
+    moved = sum(e.nbytes for e in saves) + sum(e.nbytes for e in copies)
+    return {
+        "saves": len(saves),
+        "bytes_saved": sum(e.nbytes for e in saves),
+        "save_s_mean": mean_or_none([e.duration_s for e in saves]),
+        "replications": len(copies),
+        "bytes_replicated": sum(e.nbytes for e in copies),
+        "bytes_per_step": moved / steps if steps else None,
+        "blocked_s_total": sum(r.blocked_s for r in records),
+        "blocked_s_per_save": mean_or_none(blocked),
+        "restores": len(restores),
+        "restore_bytes": sum(e.nbytes for e in restores),
+        "restore_s_max": max((e.duration_s for e in restores), default=None),
+    }

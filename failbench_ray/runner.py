@@ -182,8 +182,6 @@ class _Runner:
 
 def _extras(resolved: Resolved, outcome: TrialOutcome, steady: list[float]) -> dict[str, Any]:
     spec = resolved.spec
-    saves = [c for c in outcome.checkpoints if c.kind == "save"]
-    restores = [c for c in outcome.checkpoints if c.kind == "restore"]
     mean = results.mean_or_none(steady)
     return {
         "steady_steps": len(steady),
@@ -198,12 +196,7 @@ def _extras(resolved: Resolved, outcome: TrialOutcome, steady: list[float]) -> d
         **outcome.arch_metrics,
         **results.throughput_around_failures(outcome.records, outcome.failures, spec.warmup_steps),
         "recoveries": sum(f.restored_from_step is not None for f in outcome.failures),
-        "checkpoint": {
-            "saves": len(saves),
-            "bytes_saved": sum(c.nbytes for c in saves),
-            "save_s_mean": results.mean_or_none([c.duration_s for c in saves]),
-            "blocked_s_total": sum(r.blocked_s for r in outcome.records),
-            "restores": len(restores),
-            "restore_s_max": max((c.duration_s for c in restores), default=None),
-        },
+        "grown_s": [f.phases.get("grown") for f in outcome.failures if "grown" in f.phases],
+        **results.sample_accounting(outcome.records, spec.batch_size),
+        "checkpoint": results.mechanism_costs(outcome.records, outcome.checkpoints, spec.steps),
     }

@@ -21,8 +21,10 @@ from architectures.base import Trainer, WorkerContext
 from failbench_ray.comm import AbortHandle, CollectiveAborted, Generations
 from failbench_ray.records import CheckpointEvent, StepRecord
 from failbench_ray.spec import ExperimentSpec
-from mechanisms import MECHANISMS
-from mechanisms.base import HookContext, RestoreInstruction
+from mechanisms import MECHANISMS, sources
+from mechanisms import checkpoint_io as io
+from mechanisms.base import HookContext, Hooks, RestoreInstruction
+from mechanisms.replication import Packed, ReplicaStore, pack, unpack
 
 _FAILPOINT_WAIT_S = 120.0
 
@@ -36,6 +38,7 @@ class JoinInfo:
     backend: str
     device: str
     peers: dict[int, Any] = field(default_factory=dict)  # rank -> actor handle, this generation
+    holders: dict[str, Any] = field(default_factory=dict)  # replica holders and hot spares
 
 
 @dataclass
@@ -51,24 +54,40 @@ class RunReport:
     t_returned: float = 0.0
 
 
+_OWN_SNAPSHOTS = 2  # snapshots of its own state a rank keeps (to roll back one interval)
+
+
 class Worker:
+    """One rank, or (rank -1) a hot spare that mirrors state until it takes a dead rank's place.
+
+    Besides training, every worker can hold copies of other ranks' state (`pull`, served on
+    its extra threads) and hand out its own snapshots (`snapshot_for`) and live state.
+    """
+
     def __init__(self, rank: int, spec: dict[str, Any], run_dir: str, chaos: Any) -> None:
         self.spec = ExperimentSpec.model_validate(spec)
         torch.set_num_threads(self.spec.threads_per_worker)
-        self.rank = rank
         arch_cls = ARCHITECTURES.get(self.spec.architecture.name)
         self.arch = arch_cls(
             self.spec, arch_cls.Params.model_validate(self.spec.architecture.params)
         )
         mech_cls = MECHANISMS.get(self.spec.mechanism.name)
-        mech_params = mech_cls.Params.model_validate(self.spec.mechanism.params)
-        self.hooks = mech_cls.hooks_cls(
-            HookContext(rank, self.arch.layout(), Path(run_dir), mech_params, self._failpoint)
-        )
+        self.mech = mech_cls(self.spec, mech_cls.Params.model_validate(self.spec.mechanism.params))
+        self.layout = self.arch.layout()
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.hooks = self._make_hooks(rank)
+        self.replicas = ReplicaStore(keep=2)  # copies of other ranks' state this process owns
+        self.snapshots: dict[int, Packed] = {}  # this rank's own snapshots, by step
+        self.targets: list[Any] = []  # who pulls this rank's snapshots
+        self.holders: dict[str, Any] = {}
+        self.me: Any = None  # this actor's own handle (holders call back on it)
         self.chaos = chaos
+        self._peers: dict[int, Any] = {}
         self.generations = Generations()
         self.abort_handle = AbortHandle()
         self.trainer: Trainer | None = None
+        self._restored = False  # the current trainer holds this rank's real state
         self.previous: Trainer | None = None  # last generation's trainer, for state handover
         self.generation = -1
         self.step = 0
@@ -77,9 +96,57 @@ class Worker:
         self._records: list[StepRecord] = []
         self._checkpoints: list[CheckpointEvent] = []
 
-    # -- served on the second thread ------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return f"rank{self.rank}"
+
+    def _make_hooks(self, rank: int) -> Hooks:
+        ctx = HookContext(
+            rank, self.layout, self.run_dir, self.mech.params, self._failpoint, self._emit
+        )
+        ctx.publish = self._publish
+        return self.mech.hooks_cls(ctx)
+
+    # -- served on the extra threads ------------------------------------------------------
     def ready(self) -> dict[str, Any]:
+        self.me = ray.get_runtime_context().current_actor
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+
+    def adopt(self, rank: int) -> None:
+        """A hot spare takes the place of dead `rank` (its mirror stays for the restore)."""
+        self.rank = rank
+        self.hooks = self._make_hooks(rank)
+
+    def pull(self, shard: int, step: int, source: Any) -> bool:
+        return self.replicas.pull(shard, step, source)
+
+    def replica_ref(self, shard: int, step: int) -> list[Any]:
+        return self.replicas.ref(shard, step)
+
+    def inventory(self) -> dict[str, Any]:
+        """Copies this process holds, its own snapshots and its last completed step."""
+        return {
+            "copies": self.replicas.inventory(),
+            "own": sorted(self.snapshots),
+            "step": self.step,
+        }
+
+    def snapshot_for(self, step: int) -> Packed:
+        """This rank's snapshot of `step` (a holder pulls it, and so owns the copy)."""
+        return self.snapshots[step]
+
+    def live_state(self) -> tuple[Packed, int]:
+        """This rank's current state and its step (a replacement heals from it)."""
+        assert self.trainer is not None
+        return pack(self.trainer.state_dict()), self.step
+
+    def set_holders(self, holders: dict[str, Any], members: tuple[int, ...]) -> None:
+        """Learn the current replica holders (e.g. a hot spare that just came up)."""
+        self.holders = dict(holders)
+        names = [f"rank{r}" for r in members if r != self.rank] + list(holders)
+        wanted = self.mech.replica_targets(self.rank, self.layout, members, names)
+        peers = {f"rank{r}": h for r, h in self._peers.items()}
+        self.targets = [self.holders.get(n) or peers[n] for n in wanted]
 
     def abort(self) -> None:
         self.abort_handle.abort()
@@ -126,22 +193,69 @@ class Worker:
             group=group,
             abort=self.abort_handle,
         )
-        self.previous, self.trainer = self.trainer, self.arch.trainer(ctx)
+        if self.mech.rebalances_data:
+            ctx.data_index, ctx.data_count = ctx.group_rank, len(info.members)
+        self._peers = dict(info.peers)
+        self.set_holders(info.holders, info.members)
+        if self.trainer is not None and self._restored:
+            self.previous = self.trainer  # this rank's state, handed over at restore()
+        # else a recovery was cut short before this rank's restore: keep the older state
+        self.trainer, self._restored = self.arch.trainer(ctx), False
         self.generation = info.generation
         return time.perf_counter() - t0
 
     def restore(self, instruction: RestoreInstruction) -> list[CheckpointEvent]:
+        """Load the state the plan names into this generation's fresh trainer."""
         assert self.trainer is not None, "join() before restore()"
-        if instruction.source == "survivors":
-            # Continue with this rank's own state, handed from the last generation's trainer.
-            assert self.previous is not None, "a survivor keeps the state it trained"
-            self.trainer.load_state_dict(self.previous.state_dict())
-            events: list[CheckpointEvent] = []
+        step, shard = instruction.step, self.layout.shard_of_rank[self.rank]
+        events: list[CheckpointEvent] = []
+        if self.rank in instruction.keep:
+            self._keep_own_state(step)
+            donor = instruction.donors.get(shard)
+            if donor is not None and donor[1] == "jit" and donor[0] == self.name:
+                # Just-in-time checkpoint: this survivor writes the shard for the others.
+                path = io.jit_path(self.run_dir, step, shard)
+                nbytes, secs = io.save_atomic(self.trainer.state_dict(), path)
+                events.append(
+                    CheckpointEvent(self.rank, step, "save", nbytes, secs, time.time(), str(path))
+                )
         else:
-            events = self.hooks.restore(instruction, self.trainer)
-        self.previous = None
-        self.step = instruction.step
+            local = self.snapshots.get(step) or self.replicas.local(shard, step)
+            events = sources.load(instruction, self.hooks.ctx, self.trainer, local=local)
+        self.previous, self._restored = None, True
+        # Copies and snapshots after `step` belong to a timeline that was just rolled back.
+        self.replicas.truncate(step)
+        self.snapshots = {s: p for s, p in self.snapshots.items() if s <= step}
+        self.step = step
         return events
+
+    def _keep_own_state(self, step: int) -> None:
+        assert self.trainer is not None
+        if self.previous is not None and self.step == step:
+            self.trainer.load_state_dict(self.previous.state_dict())
+        elif step in self.snapshots:
+            self.trainer.load_state_dict(unpack(self.snapshots[step]))
+        else:
+            raise RuntimeError(f"rank {self.rank} has no state of step {step} to keep")
+
+    # -- the mechanism's helpers ----------------------------------------------------------
+    def _emit(self, event: CheckpointEvent) -> None:
+        with self._lock:
+            self._checkpoints.append(event)
+
+    def _publish(self, step: int, trainer: Trainer, wait: bool = False) -> tuple[int, float, int]:
+        """Snapshot at the step boundary; the targets pull it in the background, or (`wait`)
+        before the step counts as done, so their copy is never behind this rank."""
+        t0 = time.perf_counter()
+        packed = pack(trainer.state_dict())
+        self.snapshots[step] = packed
+        for old in sorted(self.snapshots)[:-_OWN_SNAPSHOTS]:
+            del self.snapshots[old]
+        shard = self.layout.shard_of_rank[self.rank]
+        pulls = [target.pull.remote(shard, step, self.me) for target in self.targets]
+        if wait:
+            ray.get(pulls)
+        return packed.nbytes, time.perf_counter() - t0, len(self.targets)
 
     def run(self, start: int, end: int, armed: dict[tuple[str, int], int]) -> RunReport:
         """Run steps start..end (inclusive) until done or a peer's death aborts the step."""
@@ -172,6 +286,7 @@ class Worker:
                 self._records.append(record)
                 self._checkpoints += checkpoints
                 self.step = step
+        self.hooks.close()
         return self._report("completed", "")
 
     def digest(self) -> tuple[str, int, list[float], dict[str, float]]:

@@ -7,6 +7,29 @@ from mechanisms.base import Mechanism
 
 MECHANISMS: Registry[type[Mechanism]] = Registry("mechanism")
 
-from mechanisms import disk_ckpt, none  # noqa: E402  (each module registers itself)
+# Each module registers itself; the order is the order `failbench list` shows.
+from mechanisms import (  # noqa: E402
+    async_ckpt,
+    disk_ckpt,
+    elastic,
+    hot_spare,
+    inmem_replica,
+    jit_ckpt,
+    live_recovery,
+    none,
+    redundant,
+)
 
-__all__ = ["MECHANISMS", "Mechanism", "disk_ckpt", "none"]
+__all__ = [
+    "MECHANISMS",
+    "Mechanism",
+    "async_ckpt",
+    "disk_ckpt",
+    "elastic",
+    "hot_spare",
+    "inmem_replica",
+    "jit_ckpt",
+    "live_recovery",
+    "none",
+    "redundant",
+]

@@ -16,14 +16,17 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from failbench_ray.errors import RecoveryError
 from failbench_ray.records import CheckpointEvent
 
 if TYPE_CHECKING:
     from architectures.base import Architecture, StateLayout, Trainer
     from failbench_ray.spec import ExperimentSpec
 
-RestoreSource = Literal["scratch", "checkpoint", "survivors"]
+RestoreSource = Literal["scratch", "checkpoint", "survivors", "replica", "peer", "jit"]
+# How one shard reaches a rank that does not keep its own state:
+#   "replica": a holder's copy in the object store; "peer": a live rank's current state;
+#   "jit": a file the donor (a live rank holding the shard) writes just in time.
+DonorKind = Literal["replica", "peer", "jit"]
 
 
 class NoParams(BaseModel):
@@ -42,6 +45,17 @@ class FailureContext:
     quiesce: str
     latest_checkpoint: int | None = None  # latest complete durable checkpoint, if any
     furthest_step: int = 0  # the last step the most advanced survivor completed
+    # Survivors still alive with their state (empty when the quiesce killed them) -> the last
+    # step each completed, and the steps of the snapshots each keeps of its own state.
+    survivor_steps: dict[int, int] = field(default_factory=dict)
+    own_snapshots: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # Copies in the object store held by live holders: shard -> step -> holder names.
+    replicas: dict[int, dict[int, tuple[str, ...]]] = field(default_factory=dict)
+    spares: tuple[str, ...] = ()  # ready hot spares, by name
+
+    @property
+    def survivors(self) -> list[int]:
+        return sorted(self.survivor_steps)
 
 
 @dataclass(frozen=True)
@@ -54,6 +68,58 @@ class RecoveryPlan:
     restore_step: int
     note: str = ""
     drop: tuple[int, ...] = ()  # dead ranks that leave the group (training goes on without)
+    keep: tuple[int, ...] = ()  # survivors whose own state is already at restore_step
+    donors: dict[int, tuple[str, DonorKind]] = field(default_factory=dict)  # shard -> donor
+    spares: dict[int, str] = field(default_factory=dict)  # replaced rank -> spare taking it
+    grow: tuple[int, ...] = ()  # dropped ranks brought back once their replacements are up
+
+
+def donors_at(
+    failure: FailureContext, step: int, restored: list[int], *, peers: bool, copies: bool
+) -> dict[int, tuple[str, DonorKind]] | None:
+    """A donor at `step` for the shard of every rank in `restored`, or None if one is missing.
+
+    A survivor that keeps a snapshot of its own state at `step` needs no donor. Otherwise a
+    live rank exactly at `step` holding the shard gives its current state (`peers`), else a
+    holder's copy of that step (`copies`).
+    """
+    layout = failure.layout
+    donors: dict[int, tuple[str, DonorKind]] = {}
+    for rank in restored:
+        if step in failure.own_snapshots.get(rank, ()):
+            continue
+        shard = layout.shard_of_rank[rank]
+        if shard in donors:
+            continue
+        live = [
+            q
+            for q, at in failure.survivor_steps.items()
+            if at == step and layout.shard_of_rank[q] == shard
+        ]
+        holders = failure.replicas.get(shard, {}).get(step, ())
+        if peers and live:
+            donors[shard] = (f"rank{live[0]}", "peer")
+        elif copies and holders:
+            donors[shard] = (holders[0], "replica")
+        else:
+            return None
+    return donors
+
+
+def rollback_plan(failure: FailureContext, replace: tuple[int, ...], why: str) -> RecoveryPlan:
+    """Every rank rolls back to the latest complete durable checkpoint, or to step 0."""
+    if failure.latest_checkpoint is None:
+        return RecoveryPlan(replace, "scratch", 0, f"{why}no complete checkpoint: step 0")
+    return RecoveryPlan(
+        replace,
+        "checkpoint",
+        failure.latest_checkpoint,
+        f"{why}every rank rolls back to the checkpoint of step {failure.latest_checkpoint}",
+    )
+
+
+def shards_with_one_holder(layout: StateLayout) -> list[int]:
+    return [g[0] for g in layout.replica_groups() if len(g) == 1]
 
 
 def continue_without_dead(failure: FailureContext) -> RecoveryPlan:
@@ -69,10 +135,17 @@ def continue_without_dead(failure: FailureContext) -> RecoveryPlan:
 
 @dataclass(frozen=True)
 class RestoreInstruction:
-    """What one rank is told to load after the new process group is up."""
+    """What the ranks are told to load after the new process group is up.
+
+    Ranks in `keep` go on with their own state; the others take their shard from `source`
+    (for replica/peer/jit: from the donor of their shard, a handle in `donors`).
+    """
 
     source: RestoreSource
     step: int
+    keep: frozenset[int] = frozenset()
+    donors: dict[int, tuple[str, DonorKind, Any]] = field(default_factory=dict)  # shard ->
+    # (donor name, kind, actor handle)
 
 
 @dataclass
@@ -84,6 +157,14 @@ class HookContext:
     run_dir: Path
     params: Any
     failpoint: Callable[[str, int], None] = field(default=lambda where, step: None)
+    # Report an event from a background thread (an async checkpoint that became durable).
+    emit: Callable[[CheckpointEvent], None] = field(default=lambda event: None)
+    # Snapshot this rank's state at a step boundary and have the replica targets pull it;
+    # returns (bytes per copy, seconds the step was blocked, number of targets). With
+    # wait=True the step waits until every target owns its copy.
+    publish: Callable[..., tuple[int, float, int]] = field(
+        default=lambda step, trainer, wait=False: (0, 0.0, 0)
+    )
 
 
 class Hooks:
@@ -96,11 +177,8 @@ class Hooks:
         """Called after each optimizer step; its time counts as the step's blocked time."""
         return []
 
-    def restore(self, instruction: RestoreInstruction, trainer: Trainer) -> list[CheckpointEvent]:
-        """Load the state the plan names into a freshly built trainer."""
-        if instruction.source != "scratch":
-            raise RecoveryError(f"{type(self).__name__} cannot restore from {instruction.source}")
-        return []
+    def close(self) -> None:
+        """The trial's last step is done (finish background work)."""
 
 
 class Mechanism(ABC):
@@ -111,6 +189,11 @@ class Mechanism(ABC):
     Params: ClassVar[type[BaseModel]] = NoParams
     hooks_cls: ClassVar[type[Hooks]] = Hooks
     needs_survivor: ClassVar[bool] = False  # recovers from a live rank's state
+    # Object-store replication: copies of rank r's state go to these holders (names from
+    # `replica_targets`); dedicated holder actors and hot spares the controller starts.
+    holder_actors: int = 0
+    spare_actors: int = 0
+    rebalances_data: ClassVar[bool] = False  # survivors split the dead ranks' data (elastic)
 
     def __init__(self, spec: ExperimentSpec, params: BaseModel) -> None:
         self.spec = spec
@@ -119,6 +202,12 @@ class Mechanism(ABC):
     def not_applicable(self, arch: Architecture) -> str | None:
         """None if the mechanism applies to this architecture and trace, else the reason."""
         return None
+
+    def replica_targets(
+        self, rank: int, layout: StateLayout, members: tuple[int, ...], holders: list[str]
+    ) -> list[str]:
+        """Who pulls a copy of `rank`'s state when it publishes (pure; none by default)."""
+        return []
 
     def match_expected(self, arch: Architecture) -> bool:
         """Whether a faulty trial must end bit-identical to the baseline."""
@@ -131,3 +220,57 @@ class Mechanism(ABC):
     @abstractmethod
     def plan(self, failure: FailureContext) -> RecoveryPlan:
         """Pure: decide how to recover from `failure`."""
+
+    def grow_plan(self, failure: FailureContext, grown: tuple[int, ...]) -> RecoveryPlan:
+        """Pure: the group grows back (elastic): survivors keep, `grown` heal from live peers."""
+        raise NotImplementedError(f"{self.name} does not grow back")
+
+
+def survivor_reason(arch: Architecture, spec: ExperimentSpec) -> str | None:
+    """Why survivors keep no live state to recover from, if they do not."""
+    if not arch.abortable:
+        return (
+            f"{arch.name}'s collectives block inside gloo and cannot be aborted, so the "
+            "survivors are killed to quiesce and no live state is left to recover from"
+        )
+    if spec.quiesce == "kill_survivors":
+        return "quiesce: kill_survivors throws the survivors' state away; use abort"
+    return None
+
+
+def single_holder_reason(layout: StateLayout, what: str) -> str | None:
+    """Why a mechanism that needs a second holder of every shard does not apply, if so."""
+    alone = shards_with_one_holder(layout)
+    if not alone:
+        return None
+    holds = sorted({layout.holds[layout.writer_of(s)] for s in alone})
+    return f"{len(alone)} shard(s) held by one rank only ({'; '.join(holds)[:120]}): {what}"
+
+
+def live_plan(
+    failure: FailureContext,
+    replace: tuple[int, ...],
+    kind: DonorKind,
+    *,
+    drop: tuple[int, ...] = (),
+    grow: tuple[int, ...] = (),
+    restored_also: tuple[int, ...] = (),
+) -> RecoveryPlan | None:
+    """Survivors at the furthest step they agree on keep their state; every other rank (the
+    replaced, lagging survivors, `restored_also`) takes its shard from a live rank at that
+    step. None if some shard has no surviving holder at any step survivors reached."""
+    for step in sorted(set(failure.survivor_steps.values()), reverse=True):
+        keep = tuple(r for r, at in sorted(failure.survivor_steps.items()) if at == step)
+        behind = [r for r in failure.survivor_steps if r not in keep]
+        restored = [*replace, *behind, *restored_also]
+        donors = donors_at(failure, step, restored, peers=True, copies=False)
+        if donors is None:
+            continue
+        donors = {shard: (name, kind) for shard, (name, _) in donors.items()}
+        source: RestoreSource = kind if restored else "survivors"
+        what = {"peer": "from a live peer", "jit": "from a just-in-time checkpoint"}[str(kind)]
+        note = f"survivors keep step {step}; rank(s) {sorted(restored)} heal {what}"
+        if not restored:
+            note = f"survivors keep step {step}"
+        return RecoveryPlan(replace, source, step, note, drop, keep, donors, grow=grow)
+    return None

@@ -29,6 +29,11 @@ def shard_path(run_dir: Path, step: int, shard: int) -> Path:
     return ckpt_root(run_dir) / f"step_{step:08d}" / f"shard_{shard:05d}.pt"
 
 
+def jit_path(run_dir: Path, step: int, shard: int) -> Path:
+    """A just-in-time checkpoint, written by a survivor after a failure."""
+    return run_dir / "jit" / f"step_{step:08d}" / f"shard_{shard:05d}.pt"
+
+
 class _NotifyingWriter(io.RawIOBase):
     """A file whose first write calls `on_first_write` (a failpoint for tests of torn writes)."""
 

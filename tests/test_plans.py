@@ -24,6 +24,7 @@ from failbench_ray.errors import RecoveryError
 from failbench_ray.spec import ExperimentSpec, parse_spec
 from injector.chaos import Chaos
 from mechanisms import checkpoint_io as io
+from mechanisms import sources
 from mechanisms.base import FailureContext, HookContext, NoParams, RestoreInstruction
 from mechanisms.disk_ckpt import DiskCkpt, DiskCkptHooks, DiskCkptParams
 from mechanisms.none import NoFT
@@ -311,7 +312,7 @@ def test_writer_saves_on_the_interval_only_and_restores(tmp_path: Path) -> None:
     # a replacement rank 1 restores step 5 into a trainer built from another seed
     fresh = TinyTrainer(1)
     reader = hooks(1, ddp_layout(2), tmp_path)
-    (event,) = reader.restore(RestoreInstruction("checkpoint", 5), fresh)
+    (event,) = sources.load(RestoreInstruction("checkpoint", 5), reader.ctx, fresh)
     assert (event.rank, event.step, event.kind) == (1, 5, "restore")
     for name, t in fresh.module.state_dict().items():
         assert torch.equal(t, at_5[name]), name
@@ -320,7 +321,7 @@ def test_writer_saves_on_the_interval_only_and_restores(tmp_path: Path) -> None:
     # scratch: nothing loaded
     other = TinyTrainer(2)
     before = {k: v.clone() for k, v in other.module.state_dict().items()}
-    assert reader.restore(RestoreInstruction("scratch", 0), other) == []
+    assert sources.load(RestoreInstruction("scratch", 0), reader.ctx, other) == []
     assert all(torch.equal(v, before[k]) for k, v in other.module.state_dict().items())
 
 
@@ -356,13 +357,13 @@ def test_failpoint_during_checkpoint_write_leaves_no_checkpoint(tmp_path: Path) 
     )
 
 
-def test_default_hooks_cannot_restore_a_checkpoint(tmp_path: Path) -> None:
+def test_a_restore_from_a_donor_needs_one_for_the_shard(tmp_path: Path) -> None:
     h = NoFT.hooks_cls(HookContext(0, ddp_layout(2), tmp_path, NoParams()))
     trainer = TinyTrainer(0)
     assert h.after_step(5, trainer) == []
-    assert h.restore(RestoreInstruction("scratch", 0), trainer) == []
-    with pytest.raises(RecoveryError, match="cannot restore from checkpoint"):
-        h.restore(RestoreInstruction("checkpoint", 5), trainer)
+    assert sources.load(RestoreInstruction("scratch", 0), h.ctx, trainer) == []
+    with pytest.raises(RecoveryError, match="no donor for shard 0 at step 5"):
+        sources.load(RestoreInstruction("replica", 5), h.ctx, trainer)
 
 
 # ---------------------------------------------------------------------------------------------
