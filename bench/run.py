@@ -566,6 +566,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             f"{mr.get('wall_s', 0):.1f} s, exit {mr.get('exit_code')} "
             f"(goal < {MAKE_RUN_GOAL_S:g} s)",
         )
+    lines += mechanism_lines(g, line)
     a = g.get("architectures", {})
     if a.get("status") == "error":
         line("architectures", "")
@@ -582,6 +583,42 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             f"{'-' if sps is None else f'{sps:.0f}'} samples/s{bubble}"
         )
     return lines
+
+
+def mechanism_lines(g: dict[str, Any], line: Callable[[str, str], None]) -> list[str]:
+    """Summary lines of the mechanisms' goals (`line` appends the goal's own line)."""
+    if "inmem_restore" in g:
+        m = g["inmem_restore"]
+        line(
+            "inmem_restore",
+            f"{m.get('restore_gb_s', 0):.2f} GB/s vs memcpy {m.get('memcpy_gb_s', 0):.2f} GB/s "
+            f"= {m.get('ratio', 0):.2f}x (goal >= 0.5x)",
+        )
+    if "disk_write" in g:
+        m = g["disk_write"]
+        line(
+            "disk_write",
+            f"{m.get('disk_ckpt_gb_s', 0):.2f} GB/s vs raw {m.get('raw_gb_s', 0):.2f} GB/s = "
+            f"{m.get('ratio_vs_raw', 0):.2f}x (goal >= 0.8x); dcp.save "
+            f"{m.get('dcp_save_s', 0):.2f} s vs ours {m.get('disk_ckpt_s', 0):.2f} s",
+        )
+    if "async_overhead" in g:
+        m = g["async_overhead"]
+        o = m.get("overhead_pct", {})
+        line(
+            "async_overhead",
+            f"async {o.get('async_ckpt', 0):+.1f}% vs disk {o.get('disk_ckpt', 0):+.1f}% "
+            f"(goal async <= disk/3)",
+        )
+    if "hot_spare_recovery" in g:
+        m = g["hot_spare_recovery"]
+        r = m.get("median_resumed_s", {})
+        line(
+            "hot_spare_recov",
+            f"resumed {_ms(r.get('hot_spare'))} vs disk_ckpt {_ms(r.get('disk_ckpt'))} = "
+            f"{m.get('ratio', 0):.2f}x (goal <= 0.3x)",
+        )
+    return []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -644,6 +681,7 @@ def goal_architectures(env: Env, cfg: BenchConfig) -> dict[str, Any]:
 
 
 def run_bench(cfg: BenchConfig, tmp: Path) -> dict[str, Any]:
+    from bench import mechanisms as mech
     from failbench_ray.storage.db import Database
 
     goals: dict[str, Any] = {}
@@ -664,8 +702,28 @@ def run_bench(cfg: BenchConfig, tmp: Path) -> dict[str, Any]:
                 "report step time and samples/s per architecture",
                 lambda: goal_architectures(env, cfg),
             )
+            goals["inmem_restore"] = guarded(
+                "inmem_restore",
+                "inmem_replica restore of 100 MB >= 0.5x memcpy",
+                lambda: mech.goal_inmem_restore(cfg),
+            )
+            goals["async_overhead"] = guarded(
+                "async_overhead",
+                "async_ckpt overhead <= 1/3 of disk_ckpt's",
+                lambda: mech.goal_async_overhead(env, cfg),
+            )
+            goals["hot_spare_recovery"] = guarded(
+                "hot_spare_recovery",
+                "hot_spare injected -> resumed <= 0.3x disk_ckpt's",
+                lambda: mech.goal_hot_spare_recovery(env, cfg),
+            )
     finally:
         db.dispose()
+    goals["disk_write"] = guarded(
+        "disk_write",
+        "disk_ckpt write >= 0.8x raw write+fsync and <= dcp.save",
+        lambda: mech.goal_disk_write(tmp, cfg),
+    )
     goals["harness_overhead"] = guarded(
         "harness_overhead",
         "harness baseline step time <= 1.10 x plain torch DDP",

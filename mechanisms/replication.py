@@ -26,6 +26,9 @@ import ray
 import torch
 
 
+_ALIGN = 64
+
+
 @dataclass(frozen=True)
 class _Slot:
     """Where one tensor of the state lies in the flat buffer."""
@@ -65,7 +68,7 @@ def pack(state: Any) -> Packed:
     for t in tensors:
         n = t.numel() * t.element_size()
         meta.append((str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, n))
-        offset += n
+        offset += -(-n // _ALIGN) * _ALIGN  # every tensor aligned, so its view is legal
     flat = torch.empty(offset, dtype=torch.uint8)
     for t, (_, _, off, n) in zip(tensors, meta, strict=True):
         if n:
