@@ -210,6 +210,9 @@ class Architecture(ABC):
     # `abort` quiesce can pull survivors out of a dead collective and keep their state. Torch's
     # own FSDP, DTensor and pipelining collectives block inside gloo: survivors are killed.
     abortable: bool = False
+    # True when every rank trains its own full replica (gossip): the result reports how far
+    # apart they ended. Sharded layouts also have one holder per shard, but nothing to compare.
+    independent_replicas: ClassVar[bool] = False
 
     def continues_without_dead(self) -> bool:
         """True when training goes on without a dead rank (no barrier, no rollback): recovery

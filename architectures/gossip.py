@@ -97,6 +97,7 @@ class Gossip(Architecture):
     Params = GossipParams
     trainer_cls = GossipTrainer
     abortable = True
+    independent_replicas = True
 
     def check(self) -> None:
         w = self.spec.world_size

@@ -171,18 +171,18 @@ def goal_disk_write(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
     nbytes = len(io_bytes(state))
     payload = os.urandom(16) * (nbytes // 16)
 
-    def ours(i: int) -> float:
+    def write_ours(i: int) -> float:
         return io.save_atomic(state, where / f"ours{i}.pt")[1]
 
-    def raw(i: int) -> float:
+    def write_raw(i: int) -> float:
         return _raw_write(where / f"raw{i}.bin", payload)
 
-    def ref(i: int) -> float:
+    def write_dcp(i: int) -> float:
         t0 = time.perf_counter()
         dcp.save(state, checkpoint_id=where / f"dcp{i}", no_dist=True)
         return time.perf_counter() - t0
 
-    writers = [("ours", ours), ("raw", raw), ("dcp", ref)]
+    writers = [("ours", write_ours), ("raw", write_raw), ("dcp", write_dcp)]
     for i in range(3 if cfg.quick else 6):
         # Rotate the order and start each write with no dirty pages, so that one write's
         # background writeback is not charged to the next.

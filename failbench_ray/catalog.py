@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
 from architectures import ARCHITECTURES
+from failbench_ray.checks import resolve
+from failbench_ray.errors import SpecError
+from failbench_ray.spec import ExperimentSpec, PartSpec, load_spec, parse_spec
+from failbench_ray.sweep import standard_trace
 from injector.kill_kinds import KILL_KINDS
 from injector.traces import TRACE_KINDS
 from mechanisms import MECHANISMS
+
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 
 
 def _params(model: type[BaseModel]) -> dict[str, Any]:
@@ -32,3 +39,47 @@ def catalog() -> dict[str, list[dict[str, Any]]]:
         "traces": [{"name": n, "summary": t.summary} for n, t in TRACE_KINDS.items()],
         "kill_kinds": [{"name": n, "summary": k.summary} for n, k in KILL_KINDS.items()],
     }
+
+
+def mechanism_names() -> list[str]:
+    """Registered mechanisms, the no-FT baseline first."""
+    return sorted(MECHANISMS.names(), key=lambda n: (n != "none", n))
+
+
+def _example(architecture: str) -> ExperimentSpec:
+    path = EXAMPLES_DIR / f"{architecture}.yaml"
+    if path.is_file():
+        return load_spec(path)
+    return ExperimentSpec(architecture=PartSpec(name=architecture))  # installed without examples/
+
+
+def _applies(example: ExperimentSpec, mechanism: str) -> str | None:
+    """None if `mechanism` applies to the example under a single failure, else why not."""
+    data = example.model_dump(mode="json")
+    data["mechanism"] = {"name": mechanism}
+    data["failures"] = standard_trace("single", example.world_size, example.steps)
+    try:
+        resolve(parse_spec(data))
+    except SpecError as err:
+        # "<mech> on <arch>: not applicable: <why>": the table already says which pair.
+        return str(err).split(": not applicable: ", 1)[-1]
+    return None
+
+
+def matrix() -> list[dict[str, Any]]:
+    """Architecture x mechanism applicability, on each architecture's example spec (its
+    `examples/<arch>.yaml`) with the mechanism swapped in and a single failure."""
+    rows = []
+    for arch in ARCHITECTURES.names():
+        example = _example(arch)
+        for mech in mechanism_names():
+            reason = _applies(example, mech)
+            rows.append(
+                {
+                    "architecture": arch,
+                    "mechanism": mech,
+                    "applicable": reason is None,
+                    "reason": reason,
+                }
+            )
+    return rows

@@ -1,4 +1,4 @@
-"""The `failbench` command: run, show, list.
+"""The `failbench` command: run, sweep, show, list.
 
 Bad input exits with code 2 and one line on stderr, before any actor starts.
 """
@@ -36,13 +36,29 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--keep-checkpoints", action="store_true", help="keep checkpoint files")
     run.add_argument("-v", "--verbose", action="store_true", help="show the workers' logs")
 
+    sweep = sub.add_parser("sweep", help="run a grid of experiments; run it again to resume")
+    sweep.add_argument("sweep", type=Path, help="sweep file (name, base, grid), YAML or JSON")
+    sweep.add_argument("--db", help=db_help)
+    sweep.add_argument("--out", type=Path, default=Path("runs"), help="directory for run files")
+    sweep.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
+    sweep.add_argument("--json", action="store_true", help="print the cells as JSON on stdout")
+    sweep.add_argument(
+        "--dry-run", action="store_true", help="print the expanded grid and run nothing"
+    )
+    sweep.add_argument(
+        "--retry-failed", action="store_true", help="run the cells that failed again"
+    )
+
     show = sub.add_parser("show", help="show a stored experiment's result")
-    show.add_argument("experiment_id")
+    show.add_argument("experiment_id", help="the id, or its first characters")
     show.add_argument("--db", help=db_help)
     show.add_argument("--json", action="store_true", help="print the result JSON")
 
     ls = sub.add_parser("list", help="list architectures, mechanisms, traces and kill kinds")
     ls.add_argument("--json", action="store_true")
+    ls.add_argument(
+        "--matrix", action="store_true", help="which mechanism applies to which architecture"
+    )
     return p
 
 
@@ -57,6 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _run(args)
+        if args.command == "sweep":
+            return _sweep(args)
         if args.command == "show":
             return _show(args)
         return _list(args)
@@ -100,6 +118,127 @@ def _run(args: argparse.Namespace) -> int:
     return _report(result.model_dump(mode="json"), args.json)
 
 
+def _sweep(args: argparse.Namespace) -> int:
+    from failbench_ray import runtime
+    from failbench_ray import sweep as sw
+    from failbench_ray.storage.db import Database
+
+    sweep = sw.load_sweep(args.sweep)
+    cells = sw.expand(sweep)
+    if args.dry_run:
+        return _print_grid(cells, args.json)
+    db = Database(args.db)
+    started = False
+    result_out = sys.stdout
+    try:
+        sweep_id = sw.prepare(db, sweep, cells, retry_failed=args.retry_failed)
+        if sw.pending_keys(db, sweep_id):  # else no Ray at all
+            started = runtime.connect(args.ray_address)
+            sys.stdout = sys.stderr  # Ray's messages go to stdout; it is for the report (see _run)
+            with _SweepProgress(sweep.name, cells, db, sweep_id) as progress:
+                sw.run_pending(
+                    db,
+                    sweep_id,
+                    cells,
+                    out_dir=args.out,
+                    progress=progress.trial,
+                    on_cell=progress.start,
+                    on_done=progress.done,
+                )
+            sys.stdout = result_out
+        else:
+            sw.run_pending(db, sweep_id, cells)  # nothing to run: only the sweep's status
+
+        return _sweep_report(sw.report(db, sweep_id), args.json)
+    except KeyboardInterrupt:
+        err.print("interrupted: every actor stopped; the current cell is pending again")
+        return EXIT_INTERRUPTED
+    finally:
+        sys.stdout = result_out
+        if started:
+            import ray
+
+            ray.shutdown()
+        db.dispose()
+
+
+def _print_grid(cells: Sequence[Any], as_json: bool) -> int:
+    if as_json:
+        print(json.dumps([c.as_json() for c in cells], indent=2))
+        return EXIT_OK
+    from rich.markup import escape
+
+    title = f"{len(cells)} cells, {sum(not c.skipped for c in cells)} to run"
+    t = Table(title=title, box=None, pad_edge=False, header_style="bold")
+    t.add_column("cell", no_wrap=True)
+    t.add_column("plan", no_wrap=True)
+    reasons: list[str] = []
+    for c in cells:
+        plan = "run"
+        if c.skipped:
+            if c.reason not in reasons:
+                reasons.append(c.reason)
+            plan = escape(f"skip [{reasons.index(c.reason) + 1}]")
+        t.add_row(escape(c.key), plan)
+    out.print(t)
+    for n, reason in enumerate(reasons, start=1):
+        out.print(f"[{n}] {reason}", markup=False)
+    return EXIT_OK
+
+
+def _sweep_report(report: dict[str, Any], as_json: bool) -> int:
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_sweep(report)
+    mismatched = [c["key"] for c in report["cells"] if c["matches_baseline"] is False]
+    if mismatched:
+        err.print(
+            f"[bold red]MISMATCH[/]: {', '.join(mismatched)} ended with parameters that differ "
+            "from the baseline's, where an exact match is expected"
+        )
+    return EXIT_FAILED if report["progress"]["failed"] else EXIT_OK
+
+
+def _unit(v: float | None, unit: str, digits: int) -> str:
+    return "-" if v is None else f"{v:.{digits}f}{unit}"
+
+
+def _print_sweep(report: dict[str, Any]) -> None:
+    """One row per cell; skip and failure reasons numbered under the table (fits 80 columns)."""
+    from rich.markup import escape
+
+    counts = ", ".join(f"{n} {s}" for s, n in report["progress"].items() if n)
+    t = Table(
+        title=f"sweep {report['name']}: {counts}",
+        box=None,
+        padding=(0, 1),
+        collapse_padding=True,
+        pad_edge=False,
+        header_style="bold",
+    )
+    for col in ("cell", "status", "id"):  # id: `failbench show` takes its first characters
+        t.add_column(col, no_wrap=True)
+    for col in ("overhead", "recovery", "match"):
+        t.add_column(col, justify="right", no_wrap=True)
+    reasons: list[str] = []
+    for c in report["cells"]:
+        status = c["status"]
+        if c["reason"]:
+            if c["reason"] not in reasons:
+                reasons.append(c["reason"])
+            status += escape(f" [{reasons.index(c['reason']) + 1}]")
+        match = {True: "[green]yes[/]", False: "[bold red]NO[/]", None: "-"}[c["matches_baseline"]]
+        t.add_row(
+            escape(c["key"]), status, (c["experiment_id"] or "-")[:8],
+            _unit(c["overhead_pct"], "%", 1), _unit(c["recovery_s"], " s", 2), match,
+        )  # fmt: skip
+    out.print(t)
+    for n, reason in enumerate(reasons, start=1):
+        out.print(f"[{n}] {reason}", markup=False)
+    out.print(f"sweep {report['sweep_id']}; one cell in full: failbench show ID")
+
+
 def _show(args: argparse.Namespace) -> int:
     from failbench_ray.storage import repo
     from failbench_ray.storage.db import Database
@@ -107,7 +246,7 @@ def _show(args: argparse.Namespace) -> int:
     db = Database(args.db)
     try:
         with db.session() as s:
-            result = repo.load_result(s, args.experiment_id)
+            result = repo.load_result(s, repo.find_experiment_id(s, args.experiment_id))
     finally:
         db.dispose()
     return _report(result.model_dump(mode="json"), args.json)
@@ -191,8 +330,10 @@ _PHASE_COLUMNS = ("detected", "quiesced", "reformed", "restored", "resumed", "ca
 
 
 def _list(args: argparse.Namespace) -> int:
-    from failbench_ray.catalog import catalog
+    from failbench_ray.catalog import catalog, matrix
 
+    if args.matrix:
+        return _print_matrix(matrix(), args.json)
     data = catalog()
     if args.json:
         print(json.dumps(data, indent=2))
@@ -207,6 +348,84 @@ def _list(args: argparse.Namespace) -> int:
             t.add_row(item["name"], item["summary"], params or "-")
         out.print(t)
     return EXIT_OK
+
+
+def _print_matrix(rows: list[dict[str, Any]], as_json: bool) -> int:
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    from rich.markup import escape
+
+    archs = list(dict.fromkeys(r["architecture"] for r in rows))
+    mechs = list(dict.fromkeys(r["mechanism"] for r in rows))
+    cell = {(r["architecture"], r["mechanism"]): r for r in rows}
+    # One number per distinct reason (an architecture often refuses several mechanisms alike).
+    reasons: dict[str, list[str]] = {}
+    title = "mechanisms that apply (each architecture's example, a single failure)"
+    t = Table(title=title, box=None, pad_edge=False, header_style="bold")
+    t.add_column("", no_wrap=True)
+    for m in mechs:  # "live_recovery" on two lines: nine mechanisms fit 80 columns
+        lines = m.split("_")
+        t.add_column("\n".join(lines), justify="center", min_width=max(map(len, lines)))
+    for a in archs:
+        marks = []
+        for m in mechs:
+            r = cell[(a, m)]
+            if r["applicable"]:
+                marks.append("[green]yes[/]")
+                continue
+            pairs = reasons.setdefault(r["reason"], [])
+            pairs.append(f"{m} on {a}")
+            marks.append(escape(f"n/a\n[{list(reasons).index(r['reason']) + 1}]"))
+        t.add_row(a, *marks)
+    out.print(t)
+    for n, (reason, pairs) in enumerate(reasons.items(), start=1):
+        out.print(f"[{n}] {', '.join(pairs)}: {reason}", markup=False)
+    return EXIT_OK
+
+
+class _SweepProgress:
+    """On stderr: cells done of the cells to run, the current cell, and its trial's steps."""
+
+    def __init__(self, name: str, cells: Sequence[Any], db: Any, sweep_id: str) -> None:
+        from failbench_ray.storage import repo
+
+        with db.session() as s:
+            counts = repo.sweep_progress(s, sweep_id)
+        self.name = name
+        self.total = sum(not c.skipped for c in cells)
+        self.done_before = counts["completed"] + counts["failed"]
+
+    def __enter__(self) -> _SweepProgress:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self._p = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=err
+        )
+        self._p.start()
+        self._sweep = self._p.add_task(
+            f"sweep {self.name}", total=self.total, completed=self.done_before
+        )
+        self._trials: dict[str, Any] = {}
+        return self
+
+    def start(self, cell: Any) -> None:
+        for task in self._trials.values():
+            self._p.remove_task(task)
+        self._trials = {}
+        self._p.update(self._sweep, description=f"sweep {self.name}: {cell.key}")
+
+    def trial(self, label: str, step: int, total: int) -> None:
+        if label not in self._trials:
+            self._trials[label] = self._p.add_task(f"  {label}", total=total)
+        self._p.update(self._trials[label], completed=step)
+
+    def done(self, cell: Any, status: str) -> None:
+        self._p.advance(self._sweep)
+
+    def __exit__(self, *exc: object) -> None:
+        self._p.update(self._sweep, description=f"sweep {self.name}")
+        self._p.stop()
 
 
 class _progress:

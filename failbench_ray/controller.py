@@ -110,6 +110,7 @@ class TrialController:
         self.furthest = 0  # last step the most advanced live rank completed
         self.members = list(range(self.spec.world_size))  # live ranks, in group-rank order
         self.continues_without_dead = resolved.arch.continues_without_dead()
+        self.independent_replicas = resolved.arch.independent_replicas
         self.recoveries = 0
         self.dead: set[int] = set()
         self.open: list[FailureRecord] = []  # failures whose recovery is not done yet
@@ -605,7 +606,7 @@ class TrialController:
         self.outcome.state_bytes_per_rank = max(v[1] for v in got.values.values())
         self.outcome.members = list(self.members)
         self.outcome.arch_metrics = results.mean_by_key([v[3] for v in got.values.values()])
-        if self.layout.replica_groups() == [[r] for r in range(self.spec.world_size)]:
+        if self.independent_replicas:
             # Every rank its own replica (gossip): how far apart did they end?
             self.outcome.replica_spread = results.replica_spread(
                 [v[2] for v in got.values.values()]

@@ -210,7 +210,8 @@ class Worker:
         step, shard = instruction.step, self.layout.shard_of_rank[self.rank]
         events: list[CheckpointEvent] = []
         if self.rank in instruction.keep:
-            self._keep_own_state(step)
+            # "survivors": every rank goes on from where it got (gossip ranks need not agree).
+            self._keep_own_state(step, exact=instruction.source != "survivors")
             donor = instruction.donors.get(shard)
             if donor is not None and donor[1] == "jit" and donor[0] == self.name:
                 # Just-in-time checkpoint: this survivor writes the shard for the others.
@@ -229,9 +230,9 @@ class Worker:
         self.step = step
         return events
 
-    def _keep_own_state(self, step: int) -> None:
+    def _keep_own_state(self, step: int, exact: bool = True) -> None:
         assert self.trainer is not None
-        if self.previous is not None and self.step == step:
+        if self.previous is not None and (self.step == step or not exact):
             self.trainer.load_state_dict(self.previous.state_dict())
         elif step in self.snapshots:
             self.trainer.load_state_dict(unpack(self.snapshots[step]))

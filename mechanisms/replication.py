@@ -25,7 +25,6 @@ import numpy as np
 import ray
 import torch
 
-
 _ALIGN = 64
 
 

@@ -146,9 +146,10 @@ def test_survives_failures_and_matches_the_baseline(
     assert result.status == "completed" and trial.status == "completed", trial.error
     assert len(trial.failures) == len(spec["failures"].get("events", [None]))
     assert all(f.phases.caught_up_s is not None for f in trial.failures[-1:])
-    # Survivors in torch's own collectives are killed and replaced, and the result says so;
-    # the parameter server's waits go through the abort handle.
-    abortable = name.startswith("ps")
+    # Survivors in torch's own collectives (FSDP, DTensor) are killed and replaced, and the
+    # result says so; the parameter server's waits and pipeline messages (also hybrid's without
+    # a tensor dimension) go through the abort handle.
+    abortable = name.startswith(("ps", "pipeline", "hybrid-none"))
     assert trial.failures[0].quiesce.startswith("abort" if abortable else "kill_survivors")
     assert trial.matches_baseline is True
     extra = trial.model_extra or {}

@@ -27,7 +27,11 @@ from failbench_ray.storage.db import (
 )
 from failbench_ray.storage.tables import Base, Experiment, StepRecordRow, Trial
 
-TABLES = {"experiments", "trials", "step_records", "recovery_events", "checkpoint_events"}
+TABLES = {
+    "experiments", "trials", "step_records", "recovery_events", "checkpoint_events",
+    "sweeps", "sweep_cells",
+}  # fmt: skip
+HEAD = "0002"
 T0 = 1_736_000_000.0  # epoch seconds: single precision would round these to 128 s
 
 
@@ -109,7 +113,7 @@ def test_migrate_is_idempotent_and_matches_the_models(db: Database) -> None:
     migrate(db.engine)
     assert set(inspect(db.engine).get_table_names()) == TABLES | {"alembic_version"}
     with db.engine.connect() as conn:
-        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == "0001"
+        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == HEAD
         context = MigrationContext.configure(conn, opts={"compare_type": True})
         assert compare_metadata(context, Base.metadata) == []
 

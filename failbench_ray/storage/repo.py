@@ -8,22 +8,28 @@ plain Python numbers on the way in, so numpy / torch scalars never reach the dri
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import func, insert, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from failbench_ray.records import PHASES, CheckpointEvent, FailureRecord, StepRecord
 from failbench_ray.results import BaselineResult, ExperimentResult, TrialResult, failure_result
 from failbench_ray.storage.tables import (
+    CELL_STATUSES,
     EXPERIMENT_STATUSES,
+    SWEEP_STATUSES,
     TRIAL_KINDS,
     TRIAL_STATUSES,
     CheckpointEventRow,
     Experiment,
     RecoveryEventRow,
     StepRecordRow,
+    Sweep,
+    SweepCell,
     Trial,
     new_id,
     utcnow,
@@ -33,8 +39,11 @@ from failbench_ray.storage.tables import (
 class ExperimentNotFound(LookupError):
     """Raised for an unknown experiment id (a user typo, usually)."""
 
-    def __init__(self, experiment_id: str) -> None:
-        super().__init__(f"no experiment with id {experiment_id} in this database")
+    def __init__(self, experiment_id: str, *, ambiguous: bool = False) -> None:
+        message = f"no experiment with id {experiment_id} in this database"
+        if ambiguous:
+            message = f"several experiments have an id starting {experiment_id}; give more of it"
+        super().__init__(message)
         self.experiment_id = experiment_id
 
 
@@ -92,6 +101,20 @@ def get_experiment(session: Session, experiment_id: str) -> Experiment:
     return experiment
 
 
+def find_experiment_id(session: Session, id_or_prefix: str) -> str:
+    """The full id of the one experiment whose id is or starts with `id_or_prefix` (tables
+    show the first characters, as git shows commits)."""
+    if session.get(Experiment, id_or_prefix) is not None:
+        return id_or_prefix
+    if len(id_or_prefix) < 4:  # too short to mean one experiment
+        raise ExperimentNotFound(id_or_prefix)
+    stmt = select(Experiment.id).where(Experiment.id.startswith(id_or_prefix, autoescape=True))
+    found = list(session.scalars(stmt.limit(2)))
+    if len(found) != 1:
+        raise ExperimentNotFound(id_or_prefix, ambiguous=len(found) > 1)
+    return found[0]
+
+
 def set_experiment_status(
     session: Session, experiment_id: str, status: str, *, error: str | None = None
 ) -> None:
@@ -127,6 +150,12 @@ def mark_interrupted(session: Session, experiment_id: str, reason: str) -> None:
     experiment.status = "interrupted"
     experiment.error = reason
     experiment.updated_at = now
+    session.flush()
+
+
+def set_experiment_sweep(session: Session, experiment_id: str, sweep_id: str) -> None:
+    """Tag an experiment as run by a sweep (the runner creates it without one)."""
+    get_experiment(session, experiment_id).sweep_id = sweep_id
     session.flush()
 
 
@@ -351,3 +380,162 @@ def load_result(session: Session, experiment_id: str) -> ExperimentResult:
         baseline=baseline,
         trials=[_trial_result(session, t) for t in trials if t.kind == "trial"],
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Sweeps
+
+
+class SweepNotFound(LookupError):
+    def __init__(self, sweep_id: str) -> None:
+        super().__init__(f"no sweep with id {sweep_id} in this database")
+        self.sweep_id = sweep_id
+
+
+@dataclass(frozen=True)
+class NewCell:
+    """A cell as the expansion gives it: skipped when `reason` is set, else pending."""
+
+    key: str
+    architecture: str
+    mechanism: str
+    trace: str
+    reason: str | None = None
+
+
+def _find_sweep(session: Session, name: str, spec_hash: str) -> Sweep | None:
+    stmt = select(Sweep).where(Sweep.name == name, Sweep.spec_hash == spec_hash)
+    return session.scalars(stmt).one_or_none()
+
+
+def get_or_create_sweep(
+    session: Session,
+    *,
+    name: str,
+    spec: dict[str, Any],
+    spec_hash: str,
+    cells: Sequence[NewCell],
+) -> tuple[str, bool]:
+    """The id of the sweep `name` with these cells (`spec_hash`), created if new; and whether it
+    was created. Two processes creating the same sweep at once end up with the same one."""
+    found = _find_sweep(session, name, spec_hash)
+    if found is not None:
+        return found.id, False
+    sweep = Sweep(id=new_id(), name=name, spec=spec, spec_hash=spec_hash, status="pending")
+    try:
+        with session.begin_nested():  # a savepoint: losing the race must not end the caller's unit
+            session.add(sweep)
+            session.flush()
+            session.execute(
+                insert(SweepCell),
+                [
+                    {
+                        "sweep_id": sweep.id,
+                        "position": i,
+                        "key": c.key,
+                        "architecture": c.architecture,
+                        "mechanism": c.mechanism,
+                        "trace": c.trace,
+                        "status": "skipped" if c.reason is not None else "pending",
+                        "reason": c.reason,
+                        "updated_at": utcnow(),
+                    }
+                    for i, c in enumerate(cells)
+                ],
+            )
+    except IntegrityError:
+        found = _find_sweep(session, name, spec_hash)
+        if found is None:
+            raise
+        return found.id, False
+    return sweep.id, True
+
+
+def get_sweep(session: Session, sweep_id: str) -> Sweep:
+    sweep = session.get(Sweep, sweep_id)
+    if sweep is None:
+        raise SweepNotFound(sweep_id)
+    return sweep
+
+
+def set_sweep_status(session: Session, sweep_id: str, status: str) -> None:
+    _check(status, SWEEP_STATUSES, "sweep status")
+    get_sweep(session, sweep_id).status = status
+    session.flush()
+
+
+def list_sweep_cells(session: Session, sweep_id: str) -> list[SweepCell]:
+    """A sweep's cells in the order of its expansion."""
+    stmt = select(SweepCell).where(SweepCell.sweep_id == sweep_id).order_by(SweepCell.position)
+    return list(session.scalars(stmt))
+
+
+_UNCHANGED: Any = object()
+
+
+def set_cell_status(
+    session: Session,
+    sweep_id: str,
+    key: str,
+    status: str,
+    *,
+    reason: str | None = None,
+    experiment_id: str | None = _UNCHANGED,
+) -> None:
+    """Move a cell to `status`; `reason` replaces the earlier one (None clears it)."""
+    _check(status, CELL_STATUSES, "cell status")
+    values: dict[str, Any] = {"status": status, "reason": reason, "updated_at": utcnow()}
+    if experiment_id is not _UNCHANGED:
+        values["experiment_id"] = experiment_id
+    done = session.execute(
+        update(SweepCell)
+        .where(SweepCell.sweep_id == sweep_id, SweepCell.key == key)
+        .values(**values)
+    )
+    if done.rowcount != 1:  # type: ignore[attr-defined]
+        raise LookupError(f"no cell {key!r} in sweep {sweep_id}")
+
+
+def claim_cell(session: Session, sweep_id: str, key: str) -> bool:
+    """pending -> running, only if still pending: two runners of one sweep never share a cell."""
+    done = session.execute(
+        update(SweepCell)
+        .where(SweepCell.sweep_id == sweep_id, SweepCell.key == key, SweepCell.status == "pending")
+        .values(status="running", reason=None, updated_at=utcnow())
+    )
+    return bool(done.rowcount == 1)  # type: ignore[attr-defined]
+
+
+def reset_cells(session: Session, sweep_id: str, statuses: Sequence[str]) -> list[str]:
+    """Move the cells in any of `statuses` back to pending; return their keys."""
+    for status in statuses:
+        _check(status, CELL_STATUSES, "cell status")
+    where = (SweepCell.sweep_id == sweep_id, SweepCell.status.in_(statuses))
+    keys = list(session.scalars(select(SweepCell.key).where(*where).order_by(SweepCell.position)))
+    session.execute(update(SweepCell).where(*where).values(status="pending", updated_at=utcnow()))
+    return keys
+
+
+def refresh_skipped(session: Session, sweep_id: str, reasons: Mapping[str, str | None]) -> None:
+    """Bring cells that have not run (pending, skipped) in line with today's expansion: a part
+    that learnt to apply somewhere makes a skipped cell pending again, and the reverse."""
+    for cell in list_sweep_cells(session, sweep_id):
+        if cell.status not in ("pending", "skipped") or cell.key not in reasons:
+            continue
+        reason = reasons[cell.key]
+        status = "pending" if reason is None else "skipped"
+        if (cell.status, cell.reason) != (status, reason):
+            cell.status, cell.reason, cell.updated_at = status, reason, utcnow()
+    session.flush()
+
+
+def sweep_progress(session: Session, sweep_id: str) -> dict[str, int]:
+    """How many cells are in each status (every status, zero included)."""
+    stmt = (
+        select(SweepCell.status, func.count())
+        .where(SweepCell.sweep_id == sweep_id)
+        .group_by(SweepCell.status)
+    )
+    counts = dict.fromkeys(CELL_STATUSES, 0)
+    counts.update({status: n for status, n in session.execute(stmt).all()})
+    return counts

@@ -29,6 +29,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 EXPERIMENT_STATUSES = ("queued", "running", "completed", "failed", "interrupted", "cancelled")
 TRIAL_STATUSES = ("running", "completed", "failed", "interrupted")
 TRIAL_KINDS = ("baseline", "trial")
+SWEEP_STATUSES = ("pending", "running", "completed", "failed", "interrupted")
+CELL_STATUSES = ("pending", "running", "completed", "failed", "skipped")
 
 # Deterministic constraint names, so that migrations can refer to them on every backend.
 NAMING_CONVENTION = {
@@ -205,3 +207,45 @@ class CheckpointEventRow(Base):
     duration_s: Mapped[float]
     t_end: Mapped[float]
     path: Mapped[str] = mapped_column(Text, default="")
+
+
+class Sweep(Base):
+    """A grid of experiments. The same name and the same expanded cells are the same sweep."""
+
+    __tablename__ = "sweeps"
+    __table_args__ = (UniqueConstraint("name", "spec_hash"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    name: Mapped[str]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    spec: Mapped[dict[str, Any]]
+    spec_hash: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(20))
+
+    cells: Mapped[list[SweepCell]] = relationship(
+        back_populates="sweep", passive_deletes=True, order_by="SweepCell.position"
+    )
+
+
+class SweepCell(Base):
+    """One point of a sweep: the experiment that ran it, or why it is skipped."""
+
+    __tablename__ = "sweep_cells"
+    __table_args__ = (UniqueConstraint("sweep_id", "key"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    sweep_id: Mapped[str] = mapped_column(ForeignKey("sweeps.id", ondelete="CASCADE"))
+    position: Mapped[int]  # order of the expansion
+    key: Mapped[str]
+    architecture: Mapped[str]
+    mechanism: Mapped[str]
+    trace: Mapped[str]
+    status: Mapped[str] = mapped_column(String(20))
+    reason: Mapped[str | None] = mapped_column(Text)  # why skipped, or why it failed
+    # The latest experiment of the cell (a re-run makes a new one; the old keeps its sweep_id).
+    experiment_id: Mapped[str | None] = mapped_column(
+        String(32), ForeignKey("experiments.id", ondelete="SET NULL")
+    )
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+    sweep: Mapped[Sweep] = relationship(back_populates="cells")
