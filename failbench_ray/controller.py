@@ -31,7 +31,7 @@ from failbench_ray.checks import Resolved
 from failbench_ray.errors import RecoveryError
 from failbench_ray.records import CheckpointEvent, FailureRecord, StepRecord
 from failbench_ray.recovery import decide
-from failbench_ray.worker import JoinInfo, RunReport
+from failbench_ray.worker import JoinInfo, RunReport, read_record_log
 from failbench_ray.worker_group import Placement, WorkerGroup
 from injector.chaos import ChaosActor
 from mechanisms.base import FailureContext, RecoveryPlan, RestoreInstruction
@@ -336,8 +336,21 @@ class TrialController:
                     old.interrupted_by if old.interrupted_by is not None else f.index
                 )
         self.open += new
+        self._recover_records(dead - self.dead)
         self.dead |= dead
         return State.QUIESCING
+
+    def _recover_records(self, dead: set[int]) -> None:
+        """Add the step records dead ranks logged but never handed over."""
+        assert self.group is not None
+        have = {(r.rank, r.step, r.generation) for r in self.outcome.records}
+        for rank in dead:
+            pid = self.group.pids.get(rank)
+            if pid is None:
+                continue
+            for rec in read_record_log(self.run_dir, pid):
+                if rec.rank == rank and (rec.rank, rec.step, rec.generation) not in have:
+                    self.outcome.records.append(rec)
 
     def _failure(
         self, ranks: list[int], kind: str, trigger: str, step: int, t: float

@@ -133,8 +133,10 @@ class _Runner:
             self._save(trial_id, controller.outcome, resolved, kind, status="interrupted")
             raise
         summary = self._save(trial_id, outcome, resolved, kind, status=outcome.status)
+        shutil.rmtree(run_dir / "records", ignore_errors=True)  # read back already
         if not self.keep:
             shutil.rmtree(run_dir / "ckpt", ignore_errors=True)
+            shutil.rmtree(run_dir / "jit", ignore_errors=True)
         return summary
 
     def _save(

@@ -6,6 +6,8 @@ Threaded with max_concurrency=2: the training thread runs `run()`, the second th
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import threading
 import time
@@ -54,6 +56,31 @@ class RunReport:
     t_returned: float = 0.0
 
 
+def record_log_path(run_dir: Path, pid: int) -> Path:
+    return run_dir / "records" / f"pid{pid}.jsonl"
+
+
+def open_record_log(run_dir: Path, pid: int) -> Any:
+    path = record_log_path(run_dir, pid)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return open(path, "a", buffering=1)  # line-buffered: one write() per record
+
+
+def read_record_log(run_dir: Path, pid: int) -> list[StepRecord]:
+    """The records a (dead) worker process logged; a torn last line is skipped."""
+    out = []
+    try:
+        lines = record_log_path(run_dir, pid).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    for line in lines:
+        try:
+            out.append(StepRecord(*json.loads(line)))
+        except (ValueError, TypeError):
+            continue
+    return out
+
+
 _OWN_SNAPSHOTS = 2  # snapshots of its own state a rank keeps (to roll back one interval)
 
 
@@ -95,6 +122,9 @@ class Worker:
         self._lock = threading.Lock()
         self._records: list[StepRecord] = []
         self._checkpoints: list[CheckpointEvent] = []
+        # Every record also goes to a per-process file as the step ends: a SIGKILL loses the
+        # records this rank had not handed over yet, but not what the kernel already holds.
+        self._log = open_record_log(self.run_dir, os.getpid())
 
     @property
     def name(self) -> str:
@@ -283,6 +313,7 @@ class Worker:
             record = StepRecord(
                 self.rank, step, self.generation, out.loss, t0, t2, out.samples, t2 - t1
             )
+            self._log.write(json.dumps(dataclasses.astuple(record)) + "\n")
             with self._lock:
                 self._records.append(record)
                 self._checkpoints += checkpoints
