@@ -337,7 +337,8 @@ def check_cell(arch: str, mechanism: str, failures: dict[str, Any], url: str, ou
         assert extra["samples_skipped"] > 0
     elif mechanism != "elastic":
         assert extra["samples_skipped"] == 0 and extra["samples_duplicated"] == 0
-        assert (extra["samples_replayed"] > 0) == (lost > 0)
+        if len(trial.failures) == 1:  # the step in flight is lost, but it never completed
+            assert (extra["samples_replayed"] > 0) == (lost > 1), (lost, extra)
     costs = extra["checkpoint"]
     if mechanism in ("disk_ckpt", "async_ckpt"):
         assert costs["saves"] > 0 and costs["bytes_saved"] > 0
