@@ -341,16 +341,20 @@ class TrialController:
         return State.QUIESCING
 
     def _recover_records(self, dead: set[int]) -> None:
-        """Add the step records dead ranks logged but never handed over."""
+        """Add the step records and checkpoint events dead ranks logged but never handed over
+        (events of a background save that was still running are not in the log)."""
         assert self.group is not None
         have = {(r.rank, r.step, r.generation) for r in self.outcome.records}
+        seen = set(self.outcome.checkpoints)
         for rank in dead:
             pid = self.group.pids.get(rank)
             if pid is None:
                 continue
-            for rec in read_record_log(self.run_dir, pid):
+            records, events = read_record_log(self.run_dir, pid)
+            for rec in records:
                 if rec.rank == rank and (rec.rank, rec.step, rec.generation) not in have:
                     self.outcome.records.append(rec)
+            self.outcome.checkpoints += [e for e in events if e.rank == rank and e not in seen]
 
     def _failure(
         self, ranks: list[int], kind: str, trigger: str, step: int, t: float
@@ -382,6 +386,7 @@ class TrialController:
             own_snapshots=own,
             replicas=replicas,
             spares=tuple(n for n in self.holders if n.startswith("spare")),
+            members=tuple(self.members),
             world_size=self.spec.world_size,
             dead=frozenset(self.dead),
             layout=self.layout,

@@ -66,19 +66,25 @@ def open_record_log(run_dir: Path, pid: int) -> Any:
     return open(path, "a", buffering=1)  # line-buffered: one write() per record
 
 
-def read_record_log(run_dir: Path, pid: int) -> list[StepRecord]:
-    """The records a (dead) worker process logged; a torn last line is skipped."""
-    out = []
+def read_record_log(run_dir: Path, pid: int) -> tuple[list[StepRecord], list[CheckpointEvent]]:
+    """The step records and checkpoint events a (dead) worker process logged; a torn last line
+    is skipped."""
+    records: list[StepRecord] = []
+    events: list[CheckpointEvent] = []
     try:
         lines = record_log_path(run_dir, pid).read_text().splitlines()
     except FileNotFoundError:
-        return []
+        return records, events
     for line in lines:
         try:
-            out.append(StepRecord(*json.loads(line)))
+            kind, *fields = json.loads(line)
+            if kind == "step":
+                records.append(StepRecord(*fields))
+            else:
+                events.append(CheckpointEvent(*fields))
         except (ValueError, TypeError):
             continue
-    return out
+    return records, events
 
 
 _OWN_SNAPSHOTS = 2  # snapshots of its own state a rank keeps (to roll back one interval)
@@ -160,6 +166,10 @@ class Worker:
             "own": sorted(self.snapshots),
             "step": self.step,
         }
+
+    def truncate(self, step: int) -> None:
+        """Forget held copies newer than `step` (a hot spare, after a rollback)."""
+        self.replicas.truncate(step)
 
     def snapshot_for(self, step: int) -> Packed:
         """This rank's snapshot of `step` (a holder pulls it, and so owns the copy)."""
@@ -313,7 +323,9 @@ class Worker:
             record = StepRecord(
                 self.rank, step, self.generation, out.loss, t0, t2, out.samples, t2 - t1
             )
-            self._log.write(json.dumps(dataclasses.astuple(record)) + "\n")
+            self._log.write(json.dumps(["step", *dataclasses.astuple(record)]) + "\n")
+            for event in checkpoints:
+                self._log.write(json.dumps(["event", *dataclasses.astuple(event)]) + "\n")
             with self._lock:
                 self._records.append(record)
                 self._checkpoints += checkpoints

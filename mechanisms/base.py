@@ -52,10 +52,18 @@ class FailureContext:
     # Copies in the object store held by live holders: shard -> step -> holder names.
     replicas: dict[int, dict[int, tuple[str, ...]]] = field(default_factory=dict)
     spares: tuple[str, ...] = ()  # ready hot spares, by name
+    # Ranks in the group (live or dead); default every rank. A rank replaced by an earlier,
+    # interrupted recovery is a member that is neither dead nor a survivor: it needs state too.
+    members: tuple[int, ...] | None = None
 
     @property
     def survivors(self) -> list[int]:
         return sorted(self.survivor_steps)
+
+    def to_restore(self, keep: tuple[int, ...], drop: tuple[int, ...] = ()) -> list[int]:
+        """Every member that does not keep its own state (and does not leave the group)."""
+        members = self.members if self.members is not None else range(self.world_size)
+        return [r for r in members if r not in keep and r not in drop]
 
 
 @dataclass(frozen=True)
@@ -261,8 +269,8 @@ def live_plan(
     step. None if some shard has no surviving holder at any step survivors reached."""
     for step in sorted(set(failure.survivor_steps.values()), reverse=True):
         keep = tuple(r for r, at in sorted(failure.survivor_steps.items()) if at == step)
-        behind = [r for r in failure.survivor_steps if r not in keep]
-        restored = [*replace, *behind, *restored_also]
+        restored = failure.to_restore(keep, drop) + [r for r in restored_also if r not in keep]
+        restored = sorted(set(restored))
         donors = donors_at(failure, step, restored, peers=True, copies=False)
         if donors is None:
             continue

@@ -63,7 +63,7 @@ class HotSpare(Mechanism):
         steps |= {s for v in failure.replicas.values() for s in v}
         for step in sorted(steps, reverse=True):
             keep = tuple(r for r, at in sorted(failure.survivor_steps.items()) if at == step)
-            restored = [*replace, *(r for r in failure.survivor_steps if r not in keep)]
+            restored = failure.to_restore(keep)
             donors = donors_at(failure, step, restored, peers=True, copies=True)
             if donors is None:
                 continue

@@ -111,7 +111,7 @@ class InmemReplica(Mechanism):
             if step > failure.furthest_step and failure.survivor_steps:
                 continue
             keep = tuple(r for r, at in sorted(failure.survivor_steps.items()) if at == step)
-            restored = [*replace, *(r for r in failure.survivor_steps if r not in keep)]
+            restored = failure.to_restore(keep)
             donors = donors_at(failure, step, restored, peers=False, copies=True)
             if donors is not None:
                 return RecoveryPlan(

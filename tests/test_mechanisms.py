@@ -416,20 +416,18 @@ def test_the_matrix_covers_every_mechanism_on_ddp_and_hybrid() -> None:
 def test_inmem_replica_falls_back_to_disk_when_a_rank_and_its_holder_die_together(
     sqlite_url: str, tmp_path: Path
 ) -> None:
-    # peers placement on a pipeline: stage 2 (rank 1) has its only copy in rank 2; both die
+    # peers placement on a pipeline: rank r's only copy lives in rank r+1; with ranks 1 and 2
+    # dead, the copies of stages 1 and 2 (shards 0, 1) are gone
     spec = cell_spec(
         "pipeline",
         "inmem_replica",
         {"kind": "concurrent", "ranks": [1, 2], "at_step": 12},
-        mechanism={
-            "name": "inmem_replica",
-            "params": {"interval": 2, "placement": "peers", "disk_interval": 5},
-        },
     )
+    spec["mechanism"]["params"] = {"interval": 2, "placement": "peers", "disk_interval": 5}
     result = run_cell(spec, sqlite_url, tmp_path)
     trial = result.trials[0]
     assert trial.status == "completed", trial.error
     (f,) = trial.failures
-    assert f.restore_source.startswith("checkpoint: in-memory copies of shard(s) [1] died")
+    assert f.restore_source.startswith("checkpoint: in-memory copies of shard(s) [0, 1] died")
     assert f.restored_from_step == 10
     assert trial.params_digest == baseline_digest("pipeline", sqlite_url, tmp_path)
