@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from failbench_ray.errors import RecoveryError
 from failbench_ray.records import CheckpointEvent
 
 if TYPE_CHECKING:
@@ -112,6 +113,26 @@ def donors_at(
         else:
             return None
     return donors
+
+
+def newest_restorable(
+    failure: FailureContext, steps: set[int], *, peers: bool
+) -> tuple[int, tuple[int, ...], dict[int, tuple[str, DonorKind]]] | None:
+    """The newest of `steps` every member can be brought to: (step, ranks that keep, donors).
+
+    Survivors already at the step keep; every other member takes its own snapshot or a donor's
+    copy (`peers`: also a live rank's current state)."""
+    for step in sorted(steps, reverse=True):
+        keep = tuple(r for r, at in sorted(failure.survivor_steps.items()) if at == step)
+        donors = donors_at(failure, step, failure.to_restore(keep), peers=peers, copies=True)
+        if donors is not None:
+            return step, keep, donors
+    return None
+
+
+def copy_steps(failure: FailureContext) -> set[int]:
+    """Steps of which some holder has a copy of some shard."""
+    return {s for v in failure.replicas.values() for s in v}
 
 
 def rollback_plan(failure: FailureContext, replace: tuple[int, ...], why: str) -> RecoveryPlan:
@@ -231,7 +252,7 @@ class Mechanism(ABC):
 
     def grow_plan(self, failure: FailureContext, grown: tuple[int, ...]) -> RecoveryPlan:
         """Pure: the group grows back (elastic): survivors keep, `grown` heal from live peers."""
-        raise NotImplementedError(f"{self.name} does not grow back")
+        raise RecoveryError(f"{self.name} does not grow back")
 
 
 def survivor_reason(arch: Architecture, spec: ExperimentSpec) -> str | None:

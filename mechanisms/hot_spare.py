@@ -12,7 +12,14 @@ from architectures.base import StateLayout, Trainer
 from failbench_ray.records import CheckpointEvent
 from failbench_ray.spec import ExperimentSpec
 from mechanisms import MECHANISMS
-from mechanisms.base import FailureContext, Hooks, Mechanism, RecoveryPlan, donors_at
+from mechanisms.base import (
+    FailureContext,
+    Hooks,
+    Mechanism,
+    RecoveryPlan,
+    copy_steps,
+    newest_restorable,
+)
 
 
 class HotSpareParams(BaseModel):
@@ -59,23 +66,14 @@ class HotSpare(Mechanism):
     def plan(self, failure: FailureContext) -> RecoveryPlan:
         replace = tuple(sorted(failure.dead))
         spares = dict(zip(replace, failure.spares, strict=False))
-        steps = set(failure.survivor_steps.values())
-        steps |= {s for v in failure.replicas.values() for s in v}
-        for step in sorted(steps, reverse=True):
-            keep = tuple(r for r, at in sorted(failure.survivor_steps.items()) if at == step)
-            restored = failure.to_restore(keep)
-            donors = donors_at(failure, step, restored, peers=True, copies=True)
-            if donors is None:
-                continue
+        steps = set(failure.survivor_steps.values()) | copy_steps(failure)
+        found = newest_restorable(failure, steps, peers=True)
+        if found is not None:
+            step, keep, donors = found
             taken = ", ".join(f"{n} -> rank {r}" for r, n in spares.items()) or "no spare left"
+            note = f"{taken}; state of step {step} from the mirror"
             return RecoveryPlan(
-                replace,
-                "replica",
-                step,
-                f"{taken}; state of step {step} from the mirror",
-                keep=keep,
-                donors=donors,
-                spares=spares,
+                replace, "replica", step, note, keep=keep, donors=donors, spares=spares
             )
         return RecoveryPlan(
             replace, "scratch", 0, "no mirror holds every shard: restart from step 0", spares=spares

@@ -20,7 +20,8 @@ from mechanisms.base import (
     Hooks,
     Mechanism,
     RecoveryPlan,
-    donors_at,
+    copy_steps,
+    newest_restorable,
     rollback_plan,
 )
 
@@ -106,22 +107,14 @@ class InmemReplica(Mechanism):
 
     def plan(self, failure: FailureContext) -> RecoveryPlan:
         replace = tuple(sorted(failure.dead))
-        steps = sorted({s for v in failure.replicas.values() for s in v}, reverse=True)
-        for step in steps:
-            if step > failure.furthest_step and failure.survivor_steps:
-                continue
-            keep = tuple(r for r, at in sorted(failure.survivor_steps.items()) if at == step)
-            restored = failure.to_restore(keep)
-            donors = donors_at(failure, step, restored, peers=False, copies=True)
-            if donors is not None:
-                return RecoveryPlan(
-                    replace,
-                    "replica",
-                    step,
-                    f"every rank rolls back to the in-memory copies of step {step}",
-                    keep=keep,
-                    donors=donors,
-                )
+        steps = copy_steps(failure)
+        if failure.survivor_steps:  # never "roll back" past where the survivors got
+            steps = {s for s in steps if s <= failure.furthest_step}
+        found = newest_restorable(failure, steps, peers=False)
+        if found is not None:
+            step, keep, donors = found
+            note = f"every rank rolls back to the in-memory copies of step {step}"
+            return RecoveryPlan(replace, "replica", step, note, keep=keep, donors=donors)
         lost = [s for s in failure.layout.shard_ids() if not failure.replicas.get(s)]
         why = (
             f"in-memory copies of shard(s) {lost} died with their holders: falls back to disk; "

@@ -15,7 +15,8 @@ from mechanisms.base import (
     Hooks,
     Mechanism,
     RecoveryPlan,
-    donors_at,
+    copy_steps,
+    newest_restorable,
     survivor_reason,
 )
 
@@ -56,14 +57,10 @@ class Redundant(Mechanism):
 
     def plan(self, failure: FailureContext) -> RecoveryPlan:
         replace = tuple(sorted(failure.dead))
-        steps = set(failure.survivor_steps.values())
-        steps |= {s for v in failure.replicas.values() for s in v}
-        for step in sorted(steps, reverse=True):
-            keep = tuple(r for r, at in sorted(failure.survivor_steps.items()) if at == step)
-            restored = failure.to_restore(keep)
-            donors = donors_at(failure, step, restored, peers=True, copies=True)
-            if donors is None:
-                continue
+        steps = set(failure.survivor_steps.values()) | copy_steps(failure)
+        found = newest_restorable(failure, steps, peers=True)
+        if found is not None:
+            step, keep, donors = found
             rolled = [r for r in failure.survivor_steps if r not in keep]
             note = f"rank(s) {list(replace)} take their shadow of step {step}"
             note += f"; rank(s) {sorted(rolled)} roll back to it" if rolled else ", no rollback"
