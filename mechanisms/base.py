@@ -303,3 +303,26 @@ def live_plan(
             note = f"survivors keep step {step}"
         return RecoveryPlan(replace, source, step, note, drop, keep, donors, grow=grow)
     return None
+
+
+class FromLivePeer(Mechanism):
+    """A mechanism whose replacements take their state from a surviving holder of the same
+    shard (`jit_ckpt` through a file, `live_recovery` through the object store)."""
+
+    donor_kind: ClassVar[DonorKind]
+    without_peer: ClassVar[str]  # why it does not apply where a shard has one holder
+    needs_survivor = True
+
+    def not_applicable(self, arch: Architecture) -> str | None:
+        return survivor_reason(arch, self.spec) or single_holder_reason(
+            arch.layout(), self.without_peer
+        )
+
+    def plan(self, failure: FailureContext) -> RecoveryPlan:
+        replace = tuple(sorted(failure.dead))
+        plan = live_plan(failure, replace, self.donor_kind)
+        if plan is not None:
+            return plan
+        return RecoveryPlan(
+            replace, "scratch", 0, "no survivor holds a dead rank's state: restart from step 0"
+        )
