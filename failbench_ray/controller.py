@@ -38,6 +38,7 @@ from mechanisms.base import FailureContext, RecoveryPlan, RestoreInstruction
 from mechanisms.replication import ReplicaHolderActor
 
 _POLL_S = 0.5
+_PROBE_S = 10.0  # how long a live rank gets to answer a liveness probe
 
 
 class State(str, Enum):
@@ -69,6 +70,7 @@ class _Gathered:
     values: dict[int, Any] = field(default_factory=dict)
     dead: set[int] = field(default_factory=set)
     errors: dict[int, str] = field(default_factory=dict)
+    peer_lost: set[int] = field(default_factory=set)  # alive, but an actor it called died
 
 
 def _one_line(err: BaseException) -> str:
@@ -78,6 +80,25 @@ def _one_line(err: BaseException) -> str:
     if isinstance(err, RayTaskError) and lines:
         return lines[-1].strip()
     return f"{type(err).__name__}: {lines[0] if lines else ''}"
+
+
+def gather(calls: dict[int, Any]) -> _Gathered:
+    """Results of finished calls, by rank: a dead actor's call lands in `dead`, an error in
+    `errors`. A live rank whose call raised because an actor *it* called died is alive: it
+    lands in `errors` and `peer_lost`, never in `dead`."""
+    got = _Gathered()
+    for rank, ref in calls.items():
+        try:
+            got.values[rank] = ray.get(ref)
+        except RayActorError as err:
+            if isinstance(err, RayTaskError):  # raised inside the live rank: not its death
+                got.peer_lost.add(rank)
+                got.errors[rank] = f"an actor it called died: {_one_line(err)}"
+            else:
+                got.dead.add(rank)
+        except Exception as err:  # noqa: BLE001  (a rank's error is data, not a crash)
+            got.errors[rank] = _one_line(err)
+    return got
 
 
 class TrialController:
@@ -434,6 +455,8 @@ class TrialController:
             got = self._on_all(call)
             for events in got.values.values():
                 self.outcome.checkpoints += events
+            if got.peer_lost and not got.dead:
+                got.dead = self._probe_dead()  # a donor died: find which rank it was
             if got.dead:
                 return got.dead
             if got.errors:
@@ -588,21 +611,27 @@ class TrialController:
         return self._collect(list(refs.values()), wait_all=True)
 
     def _collect(self, refs: list[Any], wait_all: bool = False) -> _Gathered:
-        """Results of finished calls; a dead actor's call lands in `dead`, an error in `errors`."""
+        """Results of finished calls (see `gather`); they are no longer pending."""
         by_ref = {ref: r for r, ref in self.pending.items()}
         if wait_all and refs:
             ray.wait(refs, num_returns=len(refs))
-        got = _Gathered()
         for ref in refs:
-            rank = by_ref[ref]
-            self.pending.pop(rank, None)
-            try:
-                got.values[rank] = ray.get(ref)
-            except RayActorError:
-                got.dead.add(rank)
-            except Exception as err:  # noqa: BLE001  (a rank's error is data, not a crash)
-                got.errors[rank] = _one_line(err)
-        return got
+            self.pending.pop(by_ref[ref], None)
+        return gather({by_ref[ref]: ref for ref in refs})
+
+    def _probe_dead(self) -> set[int]:
+        """Ranks whose actor no longer answers (when a live rank saw some actor die)."""
+        assert self.group is not None
+        refs = {r: h.ready.remote() for r, h in self.group.handles.items() if r not in self.dead}
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=_PROBE_S)
+        dead = set()
+        for r, ref in refs.items():
+            with contextlib.suppress(GetTimeoutError):
+                try:
+                    ray.get(ref, timeout=0)
+                except RayActorError:
+                    dead.add(r)
+        return dead
 
     def _absorb(self, reports: Any) -> None:
         for rep in reports:

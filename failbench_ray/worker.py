@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 import torch
+from ray.exceptions import RayActorError
 
 from architectures import ARCHITECTURES
 from architectures.base import Trainer, WorkerContext
@@ -113,6 +114,7 @@ class Worker:
         self.replicas = ReplicaStore(keep=2)  # copies of other ranks' state this process owns
         self.snapshots: dict[int, Packed] = {}  # this rank's own snapshots, by step
         self.targets: list[Any] = []  # who pulls this rank's snapshots
+        self.holder_lost: str | None = None  # a holder died while this rank waited on it
         self.holders: dict[str, Any] = {}
         self.me: Any = None  # this actor's own handle (holders call back on it)
         self.chaos = chaos
@@ -295,7 +297,14 @@ class Worker:
         shard = self.layout.shard_of_rank[self.rank]
         pulls = [target.pull.remote(shard, step, self.me) for target in self.targets]
         if wait:
-            ray.get(pulls)
+            try:
+                ray.get(pulls)
+            except RayActorError as err:
+                # The step is done here but its copy is held nowhere: stop after it and let
+                # the driver, which sees the holder's death, decide. (Raising would make this
+                # live rank look dead to the driver.)
+                self.holder_lost = f"a holder of this rank's copy died: {type(err).__name__}"
+                return packed.nbytes, time.perf_counter() - t0, 0
         return packed.nbytes, time.perf_counter() - t0, len(self.targets)
 
     def run(self, start: int, end: int, armed: dict[tuple[str, int], int]) -> RunReport:
@@ -330,6 +339,9 @@ class Worker:
                 self._records.append(record)
                 self._checkpoints += checkpoints
                 self.step = step
+            if self.holder_lost is not None:
+                reason, self.holder_lost = self.holder_lost, None
+                return self._report("aborted", reason)
         self.hooks.close()
         return self._report("completed", "")
 
