@@ -611,7 +611,7 @@ def mechanism_lines(g: dict[str, Any], line: Callable[[str, str], None]) -> list
         line(
             "async_overhead",
             f"async {o.get('async_ckpt', 0):+.1f}% vs disk {o.get('disk_ckpt', 0):+.1f}% "
-            f"(goal async <= disk/3)",
+            f"= {m.get('ratio') or 0:.2f}x (goal <= 0.33x; median of {m.get('rounds')} rounds)",
         )
     if "hot_spare_recovery" in g:
         m = g["hot_spare_recovery"]

@@ -1,22 +1,31 @@
 """Durable checkpoint files: atomic writes and "latest complete" discovery.
 
 Layout: RUN_DIR/ckpt/step_00000020/shard_00000.pt, one file per shard (a replica group writes
-one). A file appears under its final name only after its bytes are fsynced (write to a temp
-name, fsync, rename, fsync the directory), so a kill in the middle of a save leaves at most a
-stray temp file and never a corrupt checkpoint. A step is complete when every shard is there.
+one). A file is either `torch.save`'s format or, for a snapshot already packed into one flat
+buffer (`async_ckpt`), a *packed* file: a small header then the buffer's raw bytes, written by
+plain `write`s that hold no GIL, so a background write barely slows the training thread.
+`load` reads both. A file appears under its final name only after its bytes are fsynced
+(write to a temp name, fsync, rename, fsync the directory), so a kill in the middle of a save
+leaves at most a stray temp file and never a corrupt checkpoint. A step is complete when every
+shard is there.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import pickle
 import re
+import struct
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import numpy as np
 import torch
+
+from mechanisms.replication import Packed, _Slot, unpack
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -79,10 +88,64 @@ def save_atomic(
     return writer.nbytes, time.perf_counter() - t0
 
 
-def load(path: Path) -> tuple[dict[str, Any], int, float]:
-    """Read a checkpoint file. Returns (state, bytes, seconds)."""
+_MAGIC = b"FAILBENCH-PACKED-1\n"
+_CHUNK = 8 << 20  # bytes per write(): the GIL is free during each
+
+
+def save_packed_atomic(
+    packed: Packed, path: Path, on_first_write: Callable[[], None] = lambda: None
+) -> tuple[int, float]:
+    """Write a packed snapshot durably to `path` (temp, fsync, rename). Returns (bytes, s)."""
     t0 = time.perf_counter()
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    header = pickle.dumps((packed.skeleton, packed.meta), protocol=pickle.HIGHEST_PROTOCOL)
+    head = _MAGIC + struct.pack("<Q", len(header)) + header
+    head += b"\0" * (-len(head) % 64)  # the buffer starts aligned, like in memory
+    data = packed.buffer.data.cast("B")
+    with open(tmp, "wb", buffering=0) as f:
+        writer = _NotifyingWriter(f, on_first_write)
+        writer.write(head)
+        for off in range(0, len(data), _CHUNK):
+            view = data[off : off + _CHUNK]
+            while view:  # a raw write may be short
+                view = view[writer.write(view) :]
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return writer.nbytes, time.perf_counter() - t0
+
+
+class _SkeletonUnpickler(pickle.Unpickler):
+    """A packed file's header holds plain containers, numbers, strings and slots: nothing
+    else is loaded (like `torch.load(weights_only=True)`)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == _Slot.__module__ and name == "_Slot":
+            return _Slot
+        raise pickle.UnpicklingError(f"a checkpoint header may not hold {module}.{name}")
+
+
+def _load_packed(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        f.seek(len(_MAGIC))
+        (n,) = struct.unpack("<Q", f.read(8))
+        skeleton, meta = _SkeletonUnpickler(io.BytesIO(f.read(n))).load()
+        f.seek(-(len(_MAGIC) + 8 + n) % 64, os.SEEK_CUR)
+        buffer = np.fromfile(f, dtype=np.uint8)
+    # Views into a buffer this call owns: nothing else holds it.
+    return unpack(Packed(skeleton, meta, buffer))  # type: ignore[no-any-return]
+
+
+def load(path: Path) -> tuple[dict[str, Any], int, float]:
+    """Read a checkpoint file (either format). Returns (state, bytes, seconds)."""
+    t0 = time.perf_counter()
+    with open(path, "rb") as f:
+        packed = f.read(len(_MAGIC)) == _MAGIC
+    if packed:
+        state = _load_packed(path)
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True)
     return state, path.stat().st_size, time.perf_counter() - t0
 
 

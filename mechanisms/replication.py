@@ -48,8 +48,10 @@ class Packed:
         return int(self.buffer.nbytes)
 
 
-def pack(state: Any) -> Packed:
-    """Copy every tensor of `state` into one contiguous buffer (the step-boundary snapshot)."""
+def pack(state: Any, reuse: Packed | None = None) -> Packed:
+    """Copy every tensor of `state` into one contiguous buffer (the step-boundary snapshot).
+    `reuse`: an earlier snapshot nobody reads any more; its buffer is filled again if the size
+    fits (no fresh allocation, whose page faults the step would pay for)."""
     tensors: list[torch.Tensor] = []
 
     def strip(obj: Any) -> Any:
@@ -68,7 +70,10 @@ def pack(state: Any) -> Packed:
         n = t.numel() * t.element_size()
         meta.append((str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, n))
         offset += -(-n // _ALIGN) * _ALIGN  # every tensor aligned, so its view is legal
-    flat = torch.empty(offset, dtype=torch.uint8)
+    if reuse is not None and reuse.buffer.nbytes == offset and reuse.buffer.flags.writeable:
+        flat = torch.from_numpy(reuse.buffer)
+    else:
+        flat = torch.empty(offset, dtype=torch.uint8)
     for t, (_, _, off, n) in zip(tensors, meta, strict=True):
         if n:
             flat[off : off + n].copy_(t.cpu().contiguous().reshape(-1).view(torch.uint8))

@@ -175,6 +175,12 @@ def test_pack_round_trips_every_dtype_and_structure_bit_exactly() -> None:
         assert got.dtype == want.dtype and torch.equal(got, want)
     state["model"]["w"].add_(1)  # a snapshot is a copy: later steps do not change it
     assert not torch.equal(back["model"]["w"], state["model"]["w"])
+    # the next snapshot may refill a spent one's buffer (same layout), never a different size
+    again = pack(state, reuse=packed)
+    assert np.shares_memory(again.buffer, packed.buffer)
+    assert torch.equal(unpack(again)["model"]["w"], state["model"]["w"])
+    bigger = pack({"w": torch.zeros(100)}, reuse=packed)
+    assert not np.shares_memory(bigger.buffer, packed.buffer) and bigger.nbytes == 448
 
 
 class _Source:

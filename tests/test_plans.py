@@ -6,6 +6,7 @@ real files under tmp_path, and `Chaos` is the plain class the chaos actor wraps.
 
 from __future__ import annotations
 
+import pickle
 import signal
 import subprocess
 import threading
@@ -28,6 +29,7 @@ from mechanisms import sources
 from mechanisms.base import FailureContext, HookContext, NoParams, RestoreInstruction
 from mechanisms.disk_ckpt import DiskCkpt, DiskCkptHooks, DiskCkptParams
 from mechanisms.none import NoFT
+from mechanisms.replication import pack
 
 
 def ddp_layout(world_size: int) -> StateLayout:
@@ -155,7 +157,15 @@ def bits(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def test_save_then_load_round_trips_bit_exactly(tmp_path: Path) -> None:
+def save_packed(state: Any, path: Path, on_first_write: Any = lambda: None) -> tuple[int, float]:
+    return io.save_packed_atomic(pack(state), path, on_first_write)
+
+
+WRITERS = pytest.mark.parametrize("save", [io.save_atomic, save_packed], ids=["torch", "packed"])
+
+
+@WRITERS
+def test_save_then_load_round_trips_bit_exactly(save: Any, tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(0)
     special = torch.tensor([float("nan"), -0.0, float("inf"), 1e-45, -3.5])
     state: dict[str, Any] = {
@@ -171,7 +181,7 @@ def test_save_then_load_round_trips_bit_exactly(tmp_path: Path) -> None:
         "note": "text",
     }
     path = io.shard_path(tmp_path, 20, 0)
-    nbytes, secs = io.save_atomic(state, path)
+    nbytes, secs = save(state, path)
     assert path == tmp_path / "ckpt" / "step_00000020" / "shard_00000.pt"
     assert nbytes == path.stat().st_size > 0
     assert secs >= 0
@@ -208,9 +218,12 @@ def test_latest_complete(tmp_path: Path) -> None:
     assert io.latest_complete(tmp_path, [0]) == 200
 
 
-def test_a_kill_in_the_middle_of_a_write_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+@WRITERS
+def test_a_kill_in_the_middle_of_a_write_leaves_the_previous_checkpoint(
+    save: Any, tmp_path: Path
+) -> None:
     old = {"step": 10, "w": torch.full((64, 64), 1.0)}
-    io.save_atomic(old, io.shard_path(tmp_path, 10, 0))
+    save(old, io.shard_path(tmp_path, 10, 0))
 
     calls: list[int] = []
 
@@ -220,7 +233,7 @@ def test_a_kill_in_the_middle_of_a_write_leaves_the_previous_checkpoint(tmp_path
 
     path = io.shard_path(tmp_path, 20, 0)
     with pytest.raises(RuntimeError, match="killed"):
-        io.save_atomic({"step": 20, "w": torch.full((64, 64), 2.0)}, path, on_first_write=killed)
+        save({"step": 20, "w": torch.full((64, 64), 2.0)}, path, on_first_write=killed)
     assert calls == [1]
     assert not path.exists()
     assert all(p.name.startswith(".shard_00000.pt.tmp.") for p in path.parent.iterdir())
@@ -229,9 +242,17 @@ def test_a_kill_in_the_middle_of_a_write_leaves_the_previous_checkpoint(tmp_path
     assert torch.equal(state["w"], old["w"])
 
 
-def test_on_first_write_is_called_once(tmp_path: Path) -> None:
+def test_a_packed_header_loads_no_foreign_class(tmp_path: Path) -> None:
+    path = io.shard_path(tmp_path, 5, 0)
+    save_packed({"w": torch.ones(3), "bad": Path("/etc")}, path)
+    with pytest.raises(pickle.UnpicklingError, match="may not hold pathlib"):
+        io.load(path)
+
+
+@WRITERS
+def test_on_first_write_is_called_once(save: Any, tmp_path: Path) -> None:
     calls: list[int] = []
-    io.save_atomic(
+    save(
         {"w": torch.zeros(100_000)},
         io.shard_path(tmp_path, 1, 0),
         on_first_write=lambda: calls.append(1),
