@@ -144,6 +144,7 @@ def _sweep(args: argparse.Namespace) -> int:
                     progress=progress.trial,
                     on_cell=progress.start,
                     on_done=progress.done,
+                    share_baselines=sweep.share_baselines,
                 )
             sys.stdout = result_out
         else:

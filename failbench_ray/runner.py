@@ -7,6 +7,7 @@ print the same thing.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from collections.abc import Callable
@@ -43,6 +44,13 @@ def baseline_spec(spec: ExperimentSpec) -> ExperimentSpec:
     return spec.model_copy(update={"mechanism": PartSpec(name="none"), "failures": FailureTrace()})
 
 
+def baseline_key(spec: ExperimentSpec) -> str:
+    """Equal for experiments whose baselines are the same run (they differ only in name,
+    trials, mechanism and failures)."""
+    base = baseline_spec(spec).model_copy(update={"name": None, "trials": 1})
+    return hashlib.sha256(base.model_dump_json().encode()).hexdigest()
+
+
 def run_experiment(
     spec: ExperimentSpec,
     *,
@@ -51,8 +59,13 @@ def run_experiment(
     progress: ProgressFn = lambda label, step, total: None,
     keep_checkpoints: bool = False,
     on_created: Callable[[str], None] = lambda experiment_id: None,
+    baseline_of: str | None = None,
 ) -> ExperimentResult:
-    """Run `spec` on the connected Ray cluster. Raises SpecError before anything starts."""
+    """Run `spec` on the connected Ray cluster. Raises SpecError before anything starts.
+
+    `baseline_of`: an experiment with the same `baseline_key` whose completed baseline this one
+    reuses instead of running its own (a sweep runs each distinct baseline once); the copy
+    says `reused_from`. Without one, the baseline runs here."""
     resolved = resolve(spec)
     base = resolve(baseline_spec(spec))
     with db.session() as s:
@@ -66,7 +79,7 @@ def run_experiment(
         )
     on_created(exp_id)
     exp_dir = out_dir / exp_id
-    runner = _Runner(db, exp_id, exp_dir, progress, keep_checkpoints)
+    runner = _Runner(db, exp_id, exp_dir, progress, keep_checkpoints, baseline_of)
     try:
         ok = runner.run_all(resolved, base)
     except KeyboardInterrupt:
@@ -87,8 +100,15 @@ def run_experiment(
 
 class _Runner:
     def __init__(
-        self, db: Database, exp_id: str, exp_dir: Path, progress: ProgressFn, keep: bool
+        self,
+        db: Database,
+        exp_id: str,
+        exp_dir: Path,
+        progress: ProgressFn,
+        keep: bool,
+        baseline_of: str | None = None,
     ) -> None:
+        self.baseline_of = baseline_of
         self.db = db
         self.exp_id = exp_id
         self.exp_dir = exp_dir
@@ -101,7 +121,9 @@ class _Runner:
         placement = choose_placement(spec.world_size, ray.cluster_resources())
         ok = True
         if spec.baseline:
-            self.baseline = self.run_trial(base, "baseline", 0, placement, inject=False)
+            self.baseline = self._reused_baseline() or self.run_trial(
+                base, "baseline", 0, placement, inject=False
+            )
             ok = self.baseline.status == "completed"
         for i in range(spec.trials):
             ok = (
@@ -109,6 +131,17 @@ class _Runner:
                 and ok
             )
         return ok
+
+    def _reused_baseline(self) -> TrialSummary | None:
+        if self.baseline_of is None:
+            return None
+        with self.db.session() as s:
+            t = repo.copy_baseline(s, self.baseline_of, self.exp_id)
+            if t is None:
+                return None
+            return TrialSummary(
+                t.status, t.step_time_s, t.mean_step_time_s, t.final_loss, t.params_digest
+            )
 
     def run_trial(
         self, resolved: Resolved, kind: str, index: int, placement: Placement, *, inject: bool

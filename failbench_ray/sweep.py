@@ -98,6 +98,11 @@ class SweepSpec(BaseModel):
         default_factory=dict, description="Experiment fields every cell shares (not the grid's)."
     )
     grid: Grid
+    share_baselines: bool = Field(
+        True,
+        description="Cells whose baselines are the same run (they differ only in mechanism "
+        "and trace) share one: the first cell runs it, the others copy it (marked reused_from).",
+    )
 
     @model_validator(mode="after")
     def _base_fields(self) -> SweepSpec:
@@ -374,25 +379,43 @@ def run_pending(
     progress: ProgressFn = lambda label, step, total: None,
     on_cell: Callable[[Cell], None] = lambda cell: None,
     on_done: Callable[[Cell, str], None] = lambda cell, status: None,
+    share_baselines: bool = True,
 ) -> None:
     """Run every pending cell on the connected Ray cluster, in order. A cell that fails is
-    recorded and the sweep goes on; Ctrl-C puts the current cell back to pending."""
+    recorded and the sweep goes on; Ctrl-C puts the current cell back to pending.
+    `share_baselines`: a cell reuses the baseline of an earlier completed cell of this sweep
+    that has the same one (see `runner.baseline_key`)."""
+    from failbench_ray.runner import baseline_key
+
     by_key = {c.key: c for c in cells}
+    baselines: dict[str, str] = {}  # baseline key -> an experiment with that baseline done
     with db.session() as s:
         repo.set_sweep_status(s, sweep_id, "running")
+        if share_baselines:
+            for row in repo.list_sweep_cells(s, sweep_id):
+                cell = by_key.get(row.key)
+                if row.status == "completed" and row.experiment_id and cell and cell.spec:
+                    baselines.setdefault(baseline_key(cell.spec), row.experiment_id)
     for key in pending_keys(db, sweep_id):
         with db.session() as s:
             if not repo.claim_cell(s, sweep_id, key):
                 continue  # another runner of this sweep took it
         on_cell(by_key[key])
+        cell = by_key[key]
+        assert cell.spec is not None
+        bkey = baseline_key(cell.spec)
         try:
-            status = _run_cell(db, sweep_id, by_key[key], out_dir, progress)
+            status, experiment_id = _run_cell(
+                db, sweep_id, cell, out_dir, progress, baselines.get(bkey)
+            )
         except KeyboardInterrupt:
             with db.session() as s:
                 repo.set_cell_status(s, sweep_id, key, "pending", reason="interrupted (Ctrl-C)")
                 repo.set_sweep_status(s, sweep_id, "interrupted")
             raise
-        on_done(by_key[key], status)
+        if share_baselines and status == "completed" and experiment_id:
+            baselines.setdefault(bkey, experiment_id)
+        on_done(cell, status)
     with db.session() as s:
         counts = repo.sweep_progress(s, sweep_id)
         repo.set_sweep_status(s, sweep_id, _sweep_status(counts))
@@ -406,13 +429,22 @@ def _sweep_status(counts: dict[str, int]) -> str:
     return "completed"
 
 
-def _run_cell(db: Database, sweep_id: str, cell: Cell, out_dir: Path, progress: ProgressFn) -> str:
-    """Run one claimed cell; return its final status (completed or failed)."""
+def _run_cell(
+    db: Database,
+    sweep_id: str,
+    cell: Cell,
+    out_dir: Path,
+    progress: ProgressFn,
+    baseline_of: str | None,
+) -> tuple[str, str | None]:
+    """Run one claimed cell; return its final status (completed or failed) and experiment."""
     from failbench_ray.runner import run_experiment
 
     assert cell.spec is not None
+    made: list[str] = []
 
     def created(experiment_id: str) -> None:
+        made.append(experiment_id)
         with db.session() as s:
             repo.set_experiment_sweep(s, experiment_id, sweep_id)
             repo.set_cell_status(s, sweep_id, cell.key, "running", experiment_id=experiment_id)
@@ -420,7 +452,12 @@ def _run_cell(db: Database, sweep_id: str, cell: Cell, out_dir: Path, progress: 
     reason: str | None = None
     try:
         result = run_experiment(
-            cell.spec, db=db, out_dir=out_dir, progress=progress, on_created=created
+            cell.spec,
+            db=db,
+            out_dir=out_dir,
+            progress=progress,
+            on_created=created,
+            baseline_of=baseline_of,
         )
     except Exception as err:  # a broken cell must not stop the sweep; its reason says why
         status, reason = "failed", f"{type(err).__name__}: {err}"
@@ -429,7 +466,7 @@ def _run_cell(db: Database, sweep_id: str, cell: Cell, out_dir: Path, progress: 
         reason = None if status == "completed" else _failure_reason(result)
     with db.session() as s:
         repo.set_cell_status(s, sweep_id, cell.key, status, reason=reason)
-    return status
+    return status, made[0] if made else None
 
 
 def _failure_reason(result: ExperimentResult) -> str:
@@ -455,6 +492,10 @@ def summarize(result: ExperimentResult) -> dict[str, Any]:
         "overhead_pct": sum(overheads) / len(overheads) if overheads else None,
         "recovery_s": max(resumed, default=None),
         "matches_baseline": all(matches) if matches else None,
+        # the experiment whose baseline run this cell shares (None: it ran its own)
+        "baseline_from": (result.baseline.model_extra or {}).get("reused_from")
+        if result.baseline is not None
+        else None,
     }
 
 

@@ -490,6 +490,10 @@ def test_sweep_runs_every_cell_then_resumes_where_it_stopped(tmp_path: Path) -> 
     run_ids = {k: str(e) for k, (s, e) in rows.items() if s == "completed"}
     assert set(exps) == set(run_ids.values())
     assert all(exp == ("completed", report["sweep_id"]) for exp in exps.values())
+    # One baseline per architecture: the second cell copies the first's (same digest)
+    for arch in ("ddp", "pipeline"):
+        assert cells[f"{arch}/none/single"]["baseline_from"] is None
+        assert cells[f"{arch}/disk_ckpt/single"]["baseline_from"] == run_ids[f"{arch}/none/single"]
     with Database(url) as db, db.session() as s:
         result = repo.load_result(s, run_ids["ddp/disk_ckpt/single"])
     assert result.spec["name"] == "small/ddp/disk_ckpt/single"
@@ -516,7 +520,10 @@ def test_sweep_runs_every_cell_then_resumes_where_it_stopped(tmp_path: Path) -> 
         k: v for k, v in rows.items() if k != "pipeline/none/single"
     }
     assert set(experiments(url)) == set(exps) | {new_id}
+    third_cells = {c["key"]: c for c in json.loads(third.stdout)["cells"]}
     assert json.loads(third.stdout)["status"] == "completed"
+    # the re-run shares the baseline its architecture's completed cells ran first
+    assert third_cells["pipeline/none/single"]["baseline_from"] == run_ids["pipeline/none/single"]
 
 
 @pytest.mark.postgres

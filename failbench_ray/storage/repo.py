@@ -215,6 +215,39 @@ def finish_trial(
     session.flush()
 
 
+def copy_baseline(session: Session, source_experiment_id: str, experiment_id: str) -> Trial | None:
+    """Give `experiment_id` a copy of `source_experiment_id`'s completed baseline trial (its
+    step records too), marked `reused_from`; None if the source has no completed baseline."""
+    src = session.scalars(
+        select(Trial).where(
+            Trial.experiment_id == source_experiment_id,
+            Trial.kind == "baseline",
+            Trial.status == "completed",
+        )
+    ).first()
+    if src is None:
+        return None
+    get_experiment(session, experiment_id)
+    trial = Trial(
+        experiment_id=experiment_id,
+        kind="baseline",
+        index=0,
+        status=src.status,
+        started_at=src.started_at,
+        finished_at=src.finished_at,
+        step_time_s=src.step_time_s,
+        mean_step_time_s=src.mean_step_time_s,
+        final_loss=src.final_loss,
+        params_digest=src.params_digest,
+        match_expected=False,
+        extra={**src.extra, "reused_from": src.extra.get("reused_from", source_experiment_id)},
+    )
+    session.add(trial)
+    session.flush()
+    add_step_records(session, trial.id, load_step_records(session, src.id))
+    return trial
+
+
 # ---------------------------------------------------------------------------------------------
 # Records of a trial
 
