@@ -28,7 +28,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from failbench_ray import results
 from failbench_ray.checks import Resolved
-from failbench_ray.errors import RecoveryError
+from failbench_ray.errors import RecoveryError, TrialInterrupted
 from failbench_ray.records import CheckpointEvent, FailureRecord, StepRecord
 from failbench_ray.recovery import decide
 from failbench_ray.worker import JoinInfo, RunReport, read_record_log
@@ -112,7 +112,9 @@ class TrialController:
         inject: bool,
         store_host: str = "127.0.0.1",
         on_progress: Callable[[int], None] = lambda step: None,
+        should_stop: Callable[[], str | None] = lambda: None,
     ) -> None:
+        self.should_stop = should_stop  # a reason to stop (a cancel), checked between states
         self.spec = resolved.spec
         self.mech = resolved.mech
         self.layout = resolved.arch.layout()
@@ -162,6 +164,7 @@ class TrialController:
         }
         try:
             while self.state not in (State.FINISHED, State.FAILED):
+                self._check_stop()
                 self.state = handlers[self.state]()
         except RecoveryError as err:
             self.state, self.outcome.error = State.FAILED, str(err)
@@ -169,6 +172,11 @@ class TrialController:
             self.close()
         self.outcome.status = "completed" if self.state == State.FINISHED else "failed"
         return self.outcome
+
+    def _check_stop(self) -> None:
+        reason = self.should_stop()
+        if reason is not None:
+            raise TrialInterrupted(reason)  # `run` closes every actor on the way out
 
     def close(self) -> None:
         """Stop every actor of this trial (also on Ctrl-C)."""
@@ -225,6 +233,7 @@ class TrialController:
                 raise RecoveryError(f"rank {rank} failed: {err}")
             if time.monotonic() - last_poll >= _POLL_S:
                 last_poll = time.monotonic()
+                self._check_stop()
                 self._poll_progress()
                 if self._spares_ready(wait=False):
                     self._tell_holders()

@@ -31,3 +31,7 @@ class RecoveryError(FailBenchError):
 
 class TrialInterrupted(FailBenchError):
     """The run was stopped (Ctrl-C or a cancel) while a trial was in progress."""
+
+
+class LeaseLost(FailBenchError):
+    """A dispatcher no longer holds the experiment it was running; it must write nothing."""

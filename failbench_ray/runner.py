@@ -7,6 +7,7 @@ print the same thing.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
@@ -16,10 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from sqlalchemy.orm import Session
 
 from failbench_ray import results
 from failbench_ray.checks import Resolved, resolve
 from failbench_ray.controller import TrialController, TrialOutcome
+from failbench_ray.errors import LeaseLost, TrialInterrupted
 from failbench_ray.results import ExperimentResult
 from failbench_ray.runtime import node_ip
 from failbench_ray.spec import ExperimentSpec, FailureTrace, PartSpec
@@ -60,37 +63,56 @@ def run_experiment(
     keep_checkpoints: bool = False,
     on_created: Callable[[str], None] = lambda experiment_id: None,
     baseline_of: str | None = None,
+    experiment_id: str | None = None,
+    should_stop: Callable[[], str | None] = lambda: None,
+    guard: Callable[[Session], None] = lambda session: None,
 ) -> ExperimentResult:
     """Run `spec` on the connected Ray cluster. Raises SpecError before anything starts.
 
     `baseline_of`: an experiment with the same `baseline_key` whose completed baseline this one
     reuses instead of running its own (a sweep runs each distinct baseline once); the copy
-    says `reused_from`. Without one, the baseline runs here."""
+    says `reused_from`. Without one, the baseline runs here.
+
+    A queued experiment (the service): `experiment_id` is its row, already `running`; what an
+    earlier attempt left of it is discarded. `should_stop` returning a reason stops the run
+    (every actor) with `TrialInterrupted`, and the caller writes the outcome. `guard(session)`
+    runs in every session that writes and raises to refuse the write (a lost lease).
+    """
     resolved = resolve(spec)
     base = resolve(baseline_spec(spec))
     with db.session() as s:
-        exp_id = repo.create_experiment(
-            s,
-            spec=spec.model_dump(mode="json"),
-            architecture=spec.architecture.name,
-            mechanism=spec.mechanism.name,
-            name=spec.name,
-            status="running",
-        )
+        if experiment_id is None:
+            exp_id = repo.create_experiment(
+                s,
+                spec=spec.model_dump(mode="json"),
+                architecture=spec.architecture.name,
+                mechanism=spec.mechanism.name,
+                name=spec.name,
+                status="running",
+            )
+        else:
+            guard(s)
+            exp_id = experiment_id
+            repo.delete_trials(s, exp_id)
     on_created(exp_id)
     exp_dir = out_dir / exp_id
     runner = _Runner(db, exp_id, exp_dir, progress, keep_checkpoints, baseline_of)
+    runner.should_stop, runner.guard = should_stop, guard
     try:
         ok = runner.run_all(resolved, base)
+    except TrialInterrupted:
+        raise  # the caller (a dispatcher) decides what the experiment becomes
     except KeyboardInterrupt:
         with db.session() as s:
             repo.mark_interrupted(s, exp_id, "interrupted (Ctrl-C)")
         raise
     except BaseException as err:
-        with db.session() as s:
+        with contextlib.suppress(LeaseLost), db.session() as s:
+            guard(s)
             repo.set_experiment_status(s, exp_id, "failed", error=f"{type(err).__name__}: {err}")
         raise
     with db.session() as s:
+        guard(s)
         repo.set_experiment_status(s, exp_id, "completed" if ok else "failed")
         result = repo.load_result(s, exp_id)
     exp_dir.mkdir(parents=True, exist_ok=True)
@@ -109,6 +131,8 @@ class _Runner:
         baseline_of: str | None = None,
     ) -> None:
         self.baseline_of = baseline_of
+        self.should_stop: Callable[[], str | None] = lambda: None
+        self.guard: Callable[[Session], None] = lambda session: None
         self.db = db
         self.exp_id = exp_id
         self.exp_dir = exp_dir
@@ -136,6 +160,7 @@ class _Runner:
         if self.baseline_of is None:
             return None
         with self.db.session() as s:
+            self.guard(s)
             t = repo.copy_baseline(s, self.baseline_of, self.exp_id)
             if t is None:
                 return None
@@ -148,6 +173,7 @@ class _Runner:
     ) -> TrialSummary:
         spec = resolved.spec
         with self.db.session() as s:
+            self.guard(s)
             trial_id = repo.create_trial(s, experiment_id=self.exp_id, kind=kind, index=index)
         label = f"{kind}{index}"
         run_dir = self.exp_dir / label
@@ -159,10 +185,13 @@ class _Runner:
             inject=inject,
             store_host=node_ip(),
             on_progress=lambda step: self.progress(label, step, spec.steps),
+            should_stop=self.should_stop,
         )
         try:
             outcome = controller.run()
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, TrialInterrupted) as err:
+            if isinstance(err, TrialInterrupted):
+                controller.outcome.error = str(err)
             self._save(trial_id, controller.outcome, resolved, kind, status="interrupted")
             raise
         summary = self._save(trial_id, outcome, resolved, kind, status=outcome.status)
@@ -189,6 +218,7 @@ class _Runner:
         base = self.baseline
         extra = _extras(resolved, outcome, steady)
         with self.db.session() as s:
+            self.guard(s)
             repo.add_step_records(s, trial_id, outcome.records)
             repo.add_failures(s, trial_id, outcome.failures)
             repo.add_checkpoint_events(s, trial_id, outcome.checkpoints)

@@ -70,3 +70,20 @@ def pg_url() -> Iterator[str]:
 @pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'failbench.db'}"
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Each test that takes it runs twice: on a fresh SQLite file and a fresh PostgreSQL db."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path_factory.mktemp('db') / 'failbench.db'}"
+    url: str = request.getfixturevalue("pg_url")
+    return url
+
+
+@pytest.fixture
+def db(db_url: str) -> Iterator[Any]:
+    from failbench_ray.storage.db import Database
+
+    with Database(db_url) as database:
+        yield database

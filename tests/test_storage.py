@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,24 +28,10 @@ from failbench_ray.storage.tables import Base, Experiment, StepRecordRow, Trial
 
 TABLES = {
     "experiments", "trials", "step_records", "recovery_events", "checkpoint_events",
-    "sweeps", "sweep_cells",
+    "sweeps", "sweep_cells", "dispatchers",
 }  # fmt: skip
-HEAD = "0002"
+HEAD = "0003"
 T0 = 1_736_000_000.0  # epoch seconds: single precision would round these to 128 s
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def db_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path_factory.mktemp('db') / 'failbench.db'}"
-    url: str = request.getfixturevalue("pg_url")
-    return url
-
-
-@pytest.fixture
-def db(db_url: str) -> Iterator[Database]:
-    with Database(db_url) as database:
-        yield database
 
 
 # ---------------------------------------------------------------------------------------------

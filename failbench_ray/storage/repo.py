@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -213,6 +213,11 @@ def finish_trial(
     trial.error = error
     trial.extra = dict(extra or {})
     session.flush()
+
+
+def delete_trials(session: Session, experiment_id: str) -> None:
+    """Drop an experiment's trials and everything they recorded (a re-run starts clean)."""
+    session.execute(delete(Trial).where(Trial.experiment_id == experiment_id))
 
 
 def copy_baseline(session: Session, source_experiment_id: str, experiment_id: str) -> Trial | None:

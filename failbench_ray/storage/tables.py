@@ -25,6 +25,7 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.sql.expression import false
 
 EXPERIMENT_STATUSES = ("queued", "running", "completed", "failed", "interrupted", "cancelled")
 TRIAL_STATUSES = ("running", "completed", "failed", "interrupted")
@@ -111,10 +112,30 @@ class Experiment(Base):
     sweep_id: Mapped[str | None] = mapped_column(index=True)
     spec: Mapped[dict[str, Any]]
     error: Mapped[str | None] = mapped_column(Text)
+    # The queue (see `failbench_ray.queue`): runs so far, who holds it and until when.
+    attempts: Mapped[int] = mapped_column(default=0, server_default="0")
+    lease_owner: Mapped[str | None]
+    lease_expires_at: Mapped[datetime | None]
+    cancel_requested: Mapped[bool] = mapped_column(default=False, server_default=false())
+    idempotency_key: Mapped[str | None] = mapped_column(index=True, unique=True)
 
     trials: Mapped[list[Trial]] = relationship(
         back_populates="experiment", passive_deletes=True, order_by="(Trial.kind, Trial.index)"
     )
+
+
+class Dispatcher(Base):
+    """A process that runs queued experiments; its heartbeat says it is alive."""
+
+    __tablename__ = "dispatchers"
+
+    id: Mapped[str] = mapped_column(primary_key=True)
+    host: Mapped[str]
+    pid: Mapped[int]
+    started_at: Mapped[datetime]
+    heartbeat_at: Mapped[datetime]
+    experiment_id: Mapped[str | None] = mapped_column(String(32))
+    runs: Mapped[int] = mapped_column(default=0, server_default="0")
 
 
 class Trial(Base):
