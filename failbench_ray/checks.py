@@ -7,6 +7,7 @@ line that says what to change.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
@@ -31,12 +32,21 @@ def _params(model: type[BaseModel], data: dict, where: str) -> BaseModel:
     except ValidationError as err:
         e = err.errors()[0]
         loc = ".".join(str(p) for p in e["loc"])
-        raise SpecError(f"invalid spec: {where}.params.{loc}: {e['msg']}") from None
+        raise SpecError(
+            f"invalid spec: {where}.params.{loc}: {e['msg']}", (where, "params", *e["loc"])
+        ) from None
+
+
+def _part(registry: Any, name: str, field: str) -> Any:
+    try:
+        return registry.get(name)
+    except SpecError as err:
+        raise SpecError(str(err), (field,)) from None
 
 
 def resolve(spec: ExperimentSpec) -> Resolved:
-    arch_cls = ARCHITECTURES.get(spec.architecture.name)
-    mech_cls = MECHANISMS.get(spec.mechanism.name)
+    arch_cls = _part(ARCHITECTURES, spec.architecture.name, "architecture")
+    mech_cls = _part(MECHANISMS, spec.mechanism.name, "mechanism")
     arch = arch_cls(spec, _params(arch_cls.Params, spec.architecture.params, "architecture"))
     mech = mech_cls(spec, _params(mech_cls.Params, spec.mechanism.params, "mechanism"))
     arch.check()

@@ -1,4 +1,4 @@
-"""The `failbench` command: run, sweep, show, list.
+"""The `failbench` command: run, sweep, show, list, serve, dispatch.
 
 Bad input exits with code 2 and one line on stderr, before any actor starts.
 """
@@ -54,6 +54,24 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--db", help=db_help)
     show.add_argument("--json", action="store_true", help="print the result JSON")
 
+    serve = sub.add_parser("serve", help="the REST API and N dispatchers running its queue")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--db", help=db_help)
+    serve.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
+    serve.add_argument("--dispatchers", type=int, default=1, help="experiments run at once")
+    serve.add_argument("--out", type=Path, default=Path("runs"), help="directory for run files")
+    serve.add_argument("--lease-s", type=float, default=30.0, help="queue lease, seconds")
+    serve.add_argument("--max-attempts", type=int, default=3, help="runs before giving up")
+
+    disp = sub.add_parser("dispatch", help="dispatchers only: run what the queue holds")
+    disp.add_argument("--db", help=db_help)
+    disp.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
+    disp.add_argument("-n", "--dispatchers", type=int, default=1, help="experiments run at once")
+    disp.add_argument("--out", type=Path, default=Path("runs"), help="directory for run files")
+    disp.add_argument("--lease-s", type=float, default=30.0, help="queue lease, seconds")
+    disp.add_argument("--max-attempts", type=int, default=3, help="runs before giving up")
+
     ls = sub.add_parser("list", help="list architectures, mechanisms, traces and kill kinds")
     ls.add_argument("--json", action="store_true")
     ls.add_argument(
@@ -77,10 +95,41 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _sweep(args)
         if args.command == "show":
             return _show(args)
+        if args.command in ("serve", "dispatch"):
+            return _service(args)
         return _list(args)
     except (SpecError, DatabaseError, ExperimentNotFound) as e:
         print(f"error: {e}", file=sys.stderr)  # one line, never wrapped
         return EXIT_USAGE
+
+
+def _service(args: argparse.Namespace) -> int:
+    import logging
+
+    from failbench_ray import service
+
+    if args.dispatchers < 0 or (args.command == "dispatch" and args.dispatchers < 1):
+        raise _usage(f"--dispatchers {args.dispatchers}: give a number of at least 1")
+    if args.lease_s <= 0 or args.max_attempts < 1:
+        raise _usage("--lease-s must be > 0 and --max-attempts >= 1")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    common = {
+        "db_url": args.db,
+        "ray_address": args.ray_address,
+        "n_dispatchers": args.dispatchers,
+        "out_dir": args.out,
+        "lease_s": args.lease_s,
+        "max_attempts": args.max_attempts,
+    }
+    if args.command == "serve":
+        return service.serve(host=args.host, port=args.port, **common)
+    return service.dispatch(**common)
+
+
+def _usage(message: str) -> Exception:
+    from failbench_ray.errors import SpecError
+
+    return SpecError(message)
 
 
 def _run(args: argparse.Namespace) -> int:

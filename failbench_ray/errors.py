@@ -18,7 +18,15 @@ class FailBenchError(Exception):
 
 
 class SpecError(FailBenchError):
-    """The experiment spec is invalid; refused before any actor starts (CLI exit code 2)."""
+    """The experiment spec is invalid; refused before any actor starts (CLI exit code 2).
+    `loc`: the spec field at fault, where one is (the API reports it as the error's path)."""
+
+    def __init__(self, message: str, loc: tuple[str | int, ...] = ()) -> None:
+        super().__init__(message)
+        self.loc = loc
+
+    def __reduce__(self) -> tuple[type, tuple[str, tuple[str | int, ...]]]:  # type: ignore[override]
+        return (type(self), (self.message, self.loc))
 
 
 class NotApplicableError(SpecError):

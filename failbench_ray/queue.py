@@ -161,6 +161,28 @@ def release(session: Session, experiment_id: str, owner: str) -> None:
     )
 
 
+def give_back(session: Session, experiment_id: str, owner: str, reason: str) -> bool:
+    """Put a running experiment back in the queue at once (its dispatcher is stopping); the
+    attempt does not count against the retry limit."""
+    done = session.execute(
+        update(Experiment)
+        .where(
+            Experiment.id == experiment_id,
+            Experiment.lease_owner == owner,
+            Experiment.status == "running",
+        )
+        .values(
+            status="queued",
+            error=reason,
+            lease_owner=None,
+            lease_expires_at=None,
+            attempts=Experiment.attempts - 1,
+            updated_at=utcnow(),
+        )
+    )
+    return bool(done.rowcount)  # type: ignore[attr-defined]
+
+
 def requeue_expired(session: Session, max_attempts: int = DEFAULT_MAX_ATTEMPTS) -> list[str]:
     """Put running experiments whose lease expired back in the queue, or fail those that used
     up their attempts (cancel those asked to stop). Returns the ids it moved. Each move is a

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +48,8 @@ def no_leaks(ray_cluster: None) -> Iterator[None]:
     assert not leaked, f"actors left alive: {[a.get('ActorClassName') for a in leaked]}"
 
 
-@pytest.fixture
-def pg_url() -> Iterator[str]:
+@contextmanager
+def fresh_pg_database() -> Iterator[str]:
     """A fresh PostgreSQL database on 127.0.0.1:5432 with a random name, dropped afterwards."""
     admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     name = f"failbench_test_{uuid.uuid4().hex[:12]}"
@@ -65,6 +66,12 @@ def pg_url() -> Iterator[str]:
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    with fresh_pg_database() as url:
+        yield url
 
 
 @pytest.fixture

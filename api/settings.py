@@ -1,0 +1,38 @@
+"""The service's settings: from the environment (FAILBENCH_*) and `failbench serve` flags."""
+
+from __future__ import annotations
+
+import ipaddress
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FAILBENCH_", extra="ignore", frozen=True)
+
+    api_token: SecretStr | None = Field(
+        None, description="Bearer token for mutating requests (and reads off loopback)."
+    )
+    host: str = Field("127.0.0.1", description="Address the server binds.")
+    max_body_bytes: int = Field(1_000_000, ge=1, description="Largest request body accepted.")
+    max_world_size: int = Field(64, ge=2, description="Largest world_size of a submitted spec.")
+    max_steps: int = Field(100_000, ge=1, description="Largest steps of a submitted spec.")
+    max_trials: int = Field(20, ge=1, description="Largest trials of a submitted spec.")
+    max_state_mb: float = Field(
+        4096.0, gt=0, description="Largest model + Adam state per replica of a spec, in MB."
+    )
+    max_sweep_cells: int = Field(1000, ge=1, description="Largest grid of a submitted sweep.")
+
+    @property
+    def loopback(self) -> bool:
+        return is_loopback(self.host)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

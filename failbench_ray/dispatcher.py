@@ -1,0 +1,201 @@
+"""A dispatcher: takes queued experiments from the SQL queue and runs them on Ray, one at a time.
+
+Several dispatchers (threads of `failbench serve`, or `failbench dispatch` processes on other
+machines) share one queue; `queue.claim` gives each experiment to exactly one of them. While an
+experiment runs, a renewer thread extends its lease and watches for a cancel request; if the
+lease is lost (this process was too slow, or presumed dead and the experiment re-queued), the run
+stops and writes nothing more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from failbench_ray import queue
+from failbench_ray.errors import FailBenchError, LeaseLost, TrialInterrupted
+from failbench_ray.spec import ExperimentSpec
+from failbench_ray.storage import repo
+from failbench_ray.storage.db import Database
+from failbench_ray.storage.tables import Experiment, SweepCell
+
+log = logging.getLogger("failbench.dispatcher")
+
+CELL_STATUS = {"completed": "completed", "failed": "failed", "cancelled": "failed"}
+
+
+@dataclass
+class _LeaseState:
+    held: bool = True
+    cancel: bool = False
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        db: Database,
+        *,
+        owner: str | None = None,
+        lease_s: float = queue.DEFAULT_LEASE_S,
+        poll_s: float = 1.0,
+        max_attempts: int = queue.DEFAULT_MAX_ATTEMPTS,
+        out_dir: Path = Path("runs"),
+        stop_event: threading.Event | None = None,
+    ) -> None:
+        self.stopping = stop_event or threading.Event()  # set: give the current run back
+        self.db = db
+        self.owner = owner or queue.new_owner_id()
+        self.lease_s = lease_s
+        self.poll_s = poll_s
+        self.max_attempts = max_attempts
+        self.out_dir = out_dir
+        self.current: str | None = None
+        self.runs = 0
+
+    # -- the loop --------------------------------------------------------------------------
+    def run_forever(self, stop: threading.Event) -> None:
+        """Run queued experiments until `stop` is set (the current one is finished first)."""
+        log.info("dispatcher %s started", self.owner)
+        try:
+            while not stop.is_set():
+                try:
+                    ran = self.run_once()
+                except Exception:  # noqa: BLE001  (the database blinked: try again shortly)
+                    log.exception("dispatcher %s: queue step failed", self.owner)
+                    ran = False
+                if not ran:
+                    stop.wait(self.poll_s)
+        finally:
+            with contextlib.suppress(Exception), self.db.session() as s:
+                queue.forget_dispatcher(s, self.owner)
+            log.info("dispatcher %s stopped after %d runs", self.owner, self.runs)
+
+    def run_once(self) -> bool:
+        """Re-queue expired leases, then claim and run one experiment. False if none queued."""
+        with self.db.session() as s:
+            for moved in queue.requeue_expired(s, self.max_attempts):
+                log.warning("experiment %s: lease expired, moved on", moved)
+        with self.db.session() as s:
+            exp_id = queue.claim(s, self.owner, self.lease_s)
+        with self.db.session() as s:
+            queue.heartbeat(s, self.owner, exp_id)
+        if exp_id is None:
+            return False
+        self.run(exp_id)
+        return True
+
+    # -- one experiment --------------------------------------------------------------------
+    def run(self, exp_id: str) -> str | None:
+        """Run a claimed experiment to its end. Returns its final status (None: lease lost)."""
+        from failbench_ray.runner import run_experiment
+
+        self.current = exp_id
+        lease = _LeaseState()
+        done = threading.Event()
+        renewer = threading.Thread(
+            target=self._renew, args=(exp_id, lease, done), name=f"lease-{exp_id[:8]}", daemon=True
+        )
+        renewer.start()
+
+        def should_stop() -> str | None:
+            if self.stopping.is_set():
+                return "the dispatcher is stopping"
+            if not lease.held:
+                return "the lease on this experiment was lost (another dispatcher took it over)"
+            if lease.cancel:
+                return "cancelled"
+            return None
+
+        def guard(session: Session) -> None:
+            if not queue.holds(session, exp_id, self.owner):
+                raise LeaseLost(f"dispatcher {self.owner} no longer holds experiment {exp_id}")
+
+        status: str | None = None
+        try:
+            spec = self._spec(exp_id)
+            if spec is not None:
+                result = run_experiment(
+                    spec,
+                    db=self.db,
+                    out_dir=self.out_dir,
+                    experiment_id=exp_id,
+                    should_stop=should_stop,
+                    guard=guard,
+                )
+                status = result.status
+            else:
+                status = "failed"
+        except TrialInterrupted as err:
+            if not lease.held:
+                status = None
+            elif self.stopping.is_set():  # not the experiment's fault: it runs again later
+                status = "queued"
+                with self.db.session() as s:
+                    queue.give_back(s, exp_id, self.owner, f"re-queued: {err}")
+            else:
+                status = "cancelled"
+                with contextlib.suppress(LeaseLost), self.db.session() as s:
+                    guard(s)
+                    repo.set_experiment_status(s, exp_id, "cancelled", error=str(err))
+        except LeaseLost:
+            status = None
+        except Exception as err:  # noqa: BLE001  (run_experiment recorded it as failed)
+            log.warning("experiment %s failed: %s: %s", exp_id, type(err).__name__, err)
+            status = "failed"
+        finally:
+            done.set()
+            renewer.join()
+            self.current = None
+            self.runs += 1
+            with self.db.session() as s:
+                queue.release(s, exp_id, self.owner)
+                queue.heartbeat(s, self.owner, None, ran=1)
+                if status is not None:
+                    _sync_cell(s, exp_id, status)
+        log.info("experiment %s: %s", exp_id, status or "lease lost")
+        return status
+
+    def _spec(self, exp_id: str) -> ExperimentSpec | None:
+        """The stored spec, or None after failing the experiment with why it cannot run."""
+        from failbench_ray.checks import resolve
+
+        with self.db.session() as s:
+            data: dict[str, Any] = dict(repo.get_experiment(s, exp_id).spec)
+        try:
+            spec = ExperimentSpec.model_validate(data)
+            resolve(spec)
+        except (ValidationError, FailBenchError) as err:
+            with self.db.session() as s:
+                repo.set_experiment_status(s, exp_id, "failed", error=f"invalid spec: {err}")
+            return None
+        return spec
+
+    def _renew(self, exp_id: str, lease: _LeaseState, done: threading.Event) -> None:
+        while not done.wait(self.lease_s / 3):
+            try:
+                with self.db.session() as s:
+                    got = queue.renew(s, exp_id, self.owner, self.lease_s)
+                    queue.heartbeat(s, self.owner, exp_id)
+            except Exception:  # noqa: BLE001  (the lease outlives a short database outage)
+                log.exception("experiment %s: renewing the lease failed", exp_id)
+                continue
+            lease.held, lease.cancel = got.held, got.cancel_requested
+            if not got.held:
+                return
+
+
+def _sync_cell(session: Session, exp_id: str, status: str) -> None:
+    """A sweep's cell follows its experiment."""
+    cell = session.scalars(select(SweepCell).where(SweepCell.experiment_id == exp_id)).first()
+    if cell is not None and status in CELL_STATUS:
+        exp = session.get(Experiment, exp_id)
+        reason = None if status == "completed" else (exp.error if exp else None)
+        repo.set_cell_status(session, cell.sweep_id, cell.key, CELL_STATUS[status], reason=reason)

@@ -1,0 +1,123 @@
+"""`failbench serve` (the REST API plus N dispatchers) and `failbench dispatch` (dispatchers
+only, e.g. on more machines sharing one PostgreSQL queue)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+
+from failbench_ray.errors import SpecError
+from failbench_ray.storage.db import Database
+
+log = logging.getLogger("failbench.service")
+
+
+@contextmanager
+def dispatchers(
+    db: Database, n: int, *, out_dir: Path, lease_s: float, max_attempts: int
+) -> Iterator[threading.Event]:
+    """Run `n` dispatcher threads until the block ends (each finishes its current
+    experiment's bookkeeping: a run cut short by the stop goes back to the queue)."""
+    from failbench_ray.dispatcher import Dispatcher
+
+    stop = threading.Event()
+    threads = []
+    for i in range(n):
+        d = Dispatcher(
+            db, lease_s=lease_s, max_attempts=max_attempts, out_dir=out_dir, stop_event=stop
+        )
+        t = threading.Thread(target=d.run_forever, args=(stop,), name=f"dispatcher-{i}")
+        t.start()
+        threads.append(t)
+    try:
+        yield stop
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+
+
+def _check_bind(host: str, token: bool) -> None:
+    from api.settings import is_loopback
+
+    if not is_loopback(host) and not token:
+        raise SpecError(
+            f"refusing to serve on {host} without a token: anyone who can reach it could run "
+            "jobs on your cluster. Set FAILBENCH_API_TOKEN, or bind 127.0.0.1"
+        )
+
+
+def serve(
+    *,
+    host: str,
+    port: int,
+    db_url: str | None,
+    ray_address: str | None,
+    n_dispatchers: int,
+    out_dir: Path,
+    lease_s: float,
+    max_attempts: int,
+) -> int:
+    import ray
+    import uvicorn
+
+    from api.app import create_app
+    from api.settings import Settings
+    from failbench_ray import runtime
+
+    settings = Settings(host=host)
+    _check_bind(host, settings.api_token is not None)
+    db = Database(db_url)  # migrates on start
+    started = runtime.connect(ray_address) if n_dispatchers else False
+    app = create_app(settings, db)
+    try:
+        with dispatchers(
+            db, n_dispatchers, out_dir=out_dir, lease_s=lease_s, max_attempts=max_attempts
+        ):
+            # uvicorn handles SIGINT/SIGTERM: it stops serving and returns; then the
+            # dispatchers stop (their runs go back to the queue).
+            uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)
+    finally:
+        db.dispose()
+        if started:
+            ray.shutdown()
+    return 0
+
+
+def dispatch(
+    *,
+    db_url: str | None,
+    ray_address: str | None,
+    n_dispatchers: int,
+    out_dir: Path,
+    lease_s: float,
+    max_attempts: int,
+) -> int:
+    import ray
+
+    from failbench_ray import runtime
+
+    db = Database(db_url)
+    started = runtime.connect(ray_address)
+    done = threading.Event()
+
+    def _stop(signum: int, frame: FrameType | None) -> None:
+        done.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        with dispatchers(
+            db, n_dispatchers, out_dir=out_dir, lease_s=lease_s, max_attempts=max_attempts
+        ):
+            done.wait()
+    finally:
+        db.dispose()
+        if started:
+            ray.shutdown()
+    return 0
