@@ -9,6 +9,8 @@ accepts is a body this API accepts.
 from __future__ import annotations
 
 import json
+import math
+import re
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from functools import lru_cache
@@ -18,6 +20,7 @@ from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request, Res
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 from sqlalchemy import func, select, text
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
@@ -106,6 +109,32 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
+def _finite_json(obj: Any) -> Any:
+    """NaN and infinities (a diverged loss) as null: JSON has no such numbers."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite_json(v) for v in obj]
+    return obj
+
+
+class FiniteJSONResponse(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        return json.dumps(_finite_json(content), ensure_ascii=False, separators=(",", ":")).encode()
+
+
+_ID = re.compile(r"[0-9a-f]{1,32}")
+
+
+def _known_id(value: str, missing: Exception) -> str:
+    """Ids are hex: anything else names nothing (and never reaches the database)."""
+    if not _ID.fullmatch(value):
+        raise missing
+    return value
+
+
 def _detail(loc: list[Any], msg: str, kind: str) -> list[dict[str, Any]]:
     return [{"loc": loc, "msg": msg, "type": kind}]
 
@@ -132,7 +161,14 @@ def check_caps(spec: ExperimentSpec, settings: Settings) -> None:
             )
 
 
+def _no_nul(model: BaseModel) -> None:
+    # PostgreSQL text cannot hold NUL: refuse it here rather than fail in the database
+    if "\\u0000" in model.model_dump_json():
+        raise _unprocessable(["body"], "strings in a spec may not contain NUL (\\u0000)")
+
+
 def _check_runnable(spec: ExperimentSpec, settings: Settings, loc: list[Any]) -> None:
+    _no_nul(spec)
     check_caps(spec, settings)
     try:
         resolve(spec)  # unknown params, not-applicable pairs: refused now, not at run time
@@ -159,6 +195,7 @@ Db = Annotated[Session, Depends(_session)]
 
 def create_app(settings: Settings, db: Database) -> FastAPI:
     app = FastAPI(
+        default_response_class=FiniteJSONResponse,
         title="FailBench-Ray",
         version=API_VERSION,
         description="Queue fault-tolerance experiments and sweeps; follow them; read results.",
@@ -239,9 +276,9 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
         status_: Annotated[
             str | None, Query(alias="status", description=", ".join(EXPERIMENT_STATUSES))
         ] = None,
-        architecture: str | None = None,
-        mechanism: str | None = None,
-        sweep: str | None = None,
+        architecture: Annotated[str | None, Query(pattern=r"^\w{1,64}$")] = None,
+        mechanism: Annotated[str | None, Query(pattern=r"^\w{1,64}$")] = None,
+        sweep: Annotated[str | None, Query(pattern=r"^[0-9a-f]{1,32}$")] = None,
         limit: Annotated[int, Query(ge=1, le=500)] = 50,
         offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
     ) -> schemas.ExperimentPage:
@@ -279,7 +316,7 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
     )
     def get_experiment(experiment_id: str, s: Db) -> schemas.ExperimentDetail:
         """An experiment's status and, once it has run, its result."""
-        e = repo.get_experiment(s, experiment_id)
+        e = repo.get_experiment(s, _known_id(experiment_id, repo.ExperimentNotFound(experiment_id)))
         has_trials = s.scalar(select(Trial.id).where(Trial.experiment_id == e.id).limit(1))
         result = repo.load_result(s, e.id) if has_trials is not None else None
         return schemas.ExperimentDetail(
@@ -294,7 +331,7 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
     )
     def experiment_events(experiment_id: str, s: Db) -> schemas.ExperimentEvents:
         """The recovery timeline (each failure's phases) and checkpoint events, per trial."""
-        e = repo.get_experiment(s, experiment_id)
+        e = repo.get_experiment(s, _known_id(experiment_id, repo.ExperimentNotFound(experiment_id)))
         trials = s.scalars(
             select(Trial).where(Trial.experiment_id == e.id).order_by(Trial.kind, Trial.index)
         )
@@ -325,6 +362,7 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
     )
     def cancel_experiment(experiment_id: str, s: Db) -> schemas.Cancelled:
         """Cancel a queued experiment, or stop a running one (and its actors)."""
+        _known_id(experiment_id, repo.ExperimentNotFound(experiment_id))
         return schemas.Cancelled(id=experiment_id, status=queue.cancel(s, experiment_id))
 
     # -- sweeps ----------------------------------------------------------------------------
@@ -338,6 +376,7 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
         """Queue every applicable cell of a grid (the `failbench sweep` file); skipped cells
         come back with their reasons. Submitting the same sweep again queues only what is not
         already queued, running or done."""
+        _no_nul(sweep)
         try:
             cells = sw.expand(sweep)
         except SpecError as err:
@@ -390,7 +429,7 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
     )
     def get_sweep(sweep_id: str, s: Db) -> schemas.SweepOut:
         """A sweep's progress, cell by cell (a cell follows its experiment)."""
-        row = repo.get_sweep(s, sweep_id)
+        row = repo.get_sweep(s, _known_id(sweep_id, repo.SweepNotFound(sweep_id)))
         statuses = dict(
             s.execute(
                 select(SweepCell.key, Experiment.status)

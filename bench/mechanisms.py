@@ -339,18 +339,21 @@ def goal_paper_matrix(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
     cmd = [str(failbench), "sweep", str(REPO / "examples" / "paper_matrix.yaml"), "--json"]
     cmd += ["--db", f"sqlite:///{out}/matrix.db", "--out", str(out)]
     rc, wall, output = _timed_command(cmd, PAPER_MATRIX_LIMIT_S)
-    counts: dict[str, int] = {}
-    cells = None
-    # stdout and stderr are merged: the JSON is the list that starts at the beginning of a line
-    for start in [i + 1 for i, ch in enumerate(output) if ch == "\n"]:
-        if output.startswith("[", start):
+    report: dict[str, Any] | None = None
+    # stdout and stderr are merged: the report is the JSON object that starts a line
+    for start in [0] + [i + 1 for i, ch in enumerate(output) if ch == "\n"]:
+        if output.startswith("{", start):
             try:
-                cells = json.JSONDecoder().raw_decode(output, start)[0]
-                break
+                found = json.JSONDecoder().raw_decode(output, start)[0]
             except ValueError:
                 continue
-    for c in cells if isinstance(cells, list) else []:
-        counts[str(c.get("status"))] = counts.get(str(c.get("status")), 0) + 1
+            if isinstance(found, dict) and "progress" in found:
+                report = found
+                break
+    counts: dict[str, int] = dict(report["progress"]) if report else {}
+    cells = report["cells"] if report else []
+    mismatched = [c["key"] for c in cells if c.get("matches_baseline") is False]
+    shared = sum(1 for c in cells if c.get("baseline_from"))
     return _status(
         {
             "goal": goal,
@@ -358,6 +361,8 @@ def goal_paper_matrix(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
             "wall_s": wall,
             "exit_code": rc,
             "cells_by_status": counts,
-            "output_tail": "" if cells else output[-3000:],
+            "cells_not_matching_baseline": mismatched,
+            "cells_sharing_a_baseline": shared,
+            "output_tail": "" if report else output[-3000:],
         }
     )

@@ -49,7 +49,9 @@ class Dispatcher:
         max_attempts: int = queue.DEFAULT_MAX_ATTEMPTS,
         out_dir: Path = Path("runs"),
         stop_event: threading.Event | None = None,
+        cluster_share: float = 1.0,
     ) -> None:
+        self.cluster_share = cluster_share  # 1/N with N dispatchers on one cluster
         self.stopping = stop_event or threading.Event()  # set: give the current run back
         self.db = db
         self.owner = owner or queue.new_owner_id()
@@ -129,6 +131,7 @@ class Dispatcher:
                     experiment_id=exp_id,
                     should_stop=should_stop,
                     guard=guard,
+                    cluster_share=self.cluster_share,
                 )
                 status = result.status
             else:
@@ -179,7 +182,8 @@ class Dispatcher:
         return spec
 
     def _renew(self, exp_id: str, lease: _LeaseState, done: threading.Event) -> None:
-        while not done.wait(self.lease_s / 3):
+        # Often enough to renew well before expiry and to see a cancel within ~2 s.
+        while not done.wait(min(self.lease_s / 3, 2.0)):
             try:
                 with self.db.session() as s:
                     got = queue.renew(s, exp_id, self.owner, self.lease_s)

@@ -66,6 +66,7 @@ def run_experiment(
     experiment_id: str | None = None,
     should_stop: Callable[[], str | None] = lambda: None,
     guard: Callable[[Session], None] = lambda session: None,
+    cluster_share: float = 1.0,
 ) -> ExperimentResult:
     """Run `spec` on the connected Ray cluster. Raises SpecError before anything starts.
 
@@ -77,6 +78,9 @@ def run_experiment(
     earlier attempt left of it is discarded. `should_stop` returning a reason stops the run
     (every actor) with `TrialInterrupted`, and the caller writes the outcome. `guard(session)`
     runs in every session that writes and raises to refuse the write (a lost lease).
+    `cluster_share`: the fraction of the cluster's CPUs (GPUs) this experiment sizes its
+    actors to; N experiments at once each take 1/N, so no two ever wait on each other's
+    resources (half-placed groups would deadlock).
     """
     resolved = resolve(spec)
     base = resolve(baseline_spec(spec))
@@ -96,8 +100,10 @@ def run_experiment(
             repo.delete_trials(s, exp_id)
     on_created(exp_id)
     exp_dir = out_dir / exp_id
+    # An earlier, cut-off attempt's files (checkpoints above all) must not be restored from.
+    shutil.rmtree(exp_dir, ignore_errors=True)
     runner = _Runner(db, exp_id, exp_dir, progress, keep_checkpoints, baseline_of)
-    runner.should_stop, runner.guard = should_stop, guard
+    runner.should_stop, runner.guard, runner.share = should_stop, guard, cluster_share
     try:
         ok = runner.run_all(resolved, base)
     except TrialInterrupted:
@@ -133,6 +139,7 @@ class _Runner:
         self.baseline_of = baseline_of
         self.should_stop: Callable[[], str | None] = lambda: None
         self.guard: Callable[[Session], None] = lambda session: None
+        self.share = 1.0
         self.db = db
         self.exp_id = exp_id
         self.exp_dir = exp_dir
@@ -142,7 +149,11 @@ class _Runner:
 
     def run_all(self, resolved: Resolved, base: Resolved) -> bool:
         spec = resolved.spec
-        placement = choose_placement(spec.world_size, ray.cluster_resources())
+        resources = dict(ray.cluster_resources())
+        for kind in ("CPU", "GPU"):
+            if kind in resources:
+                resources[kind] *= self.share
+        placement = choose_placement(spec.world_size, resources)
         ok = True
         if spec.baseline:
             self.baseline = self._reused_baseline() or self.run_trial(

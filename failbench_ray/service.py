@@ -29,7 +29,12 @@ def dispatchers(
     threads = []
     for i in range(n):
         d = Dispatcher(
-            db, lease_s=lease_s, max_attempts=max_attempts, out_dir=out_dir, stop_event=stop
+            db,
+            lease_s=lease_s,
+            max_attempts=max_attempts,
+            out_dir=out_dir,
+            stop_event=stop,
+            cluster_share=1.0 / n,  # experiments at once share the cluster evenly
         )
         t = threading.Thread(target=d.run_forever, args=(stop,), name=f"dispatcher-{i}")
         t.start()

@@ -1,0 +1,137 @@
+"""The REST API under load: 50 concurrent clients, each submitting an experiment and reading it
+back, against `failbench serve` on SQLite with no dispatchers (the queue only grows).
+
+The clients run on the same machine as the server, so they compete with it for the 2 cores:
+the numbers are what this machine does with both, reported with the CPU the clients used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+CLIENTS = 50
+GOAL_RPS = 300.0
+GOAL_P99_S = 0.100
+SPEC = {
+    "architecture": "ddp",
+    "world_size": 2,
+    "model": {"kind": "mlp", "input_dim": 8, "hidden_dim": 8, "depth": 1},
+    "steps": 4,
+    "batch_size": 4,
+}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+async def _client(
+    base: str, until: float, warm_until: float, lat: dict[str, list[float]], errors: list[str]
+) -> None:
+    async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+        while time.perf_counter() < until:
+            t0 = time.perf_counter()
+            r = await c.post("/v1/experiments", json=SPEC)
+            t1 = time.perf_counter()
+            if r.status_code != 201:
+                errors.append(f"POST {r.status_code}")
+                continue
+            g = await c.get(f"/v1/experiments/{r.json()['id']}")
+            t2 = time.perf_counter()
+            if g.status_code != 200:
+                errors.append(f"GET {g.status_code}")
+            if t0 >= warm_until:
+                lat["POST"].append(t1 - t0)
+                lat["GET"].append(t2 - t1)
+
+
+def _p(values: list[float], q: int) -> float | None:
+    if len(values) < 2:
+        return values[0] if values else None
+    cuts: list[float] = statistics.quantiles(values, n=100, method="inclusive")
+    return cuts[q - 1]
+
+
+def goal_api_load(tmp: Path, quick: bool) -> dict[str, Any]:
+    duration, warmup = (8.0, 2.0) if quick else (20.0, 3.0)
+    port = _port()
+    cwd = tmp / "api_bench"
+    cwd.mkdir(parents=True, exist_ok=True)
+    log = open(cwd / "serve.log", "ab")  # noqa: SIM115  (closed below)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "failbench_ray.cli", "serve", "--port", str(port),
+         "--dispatchers", "0", "--db", f"sqlite:///{cwd / 'api.db'}"],
+        cwd=cwd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"serve did not come up: {(cwd / 'serve.log').read_text()}")
+            time.sleep(0.2)
+        lat: dict[str, list[float]] = {"POST": [], "GET": []}
+        errors: list[str] = []
+        cpu0 = time.process_time()
+        t0 = time.perf_counter()
+        warm_until, until = t0 + warmup, t0 + warmup + duration
+
+        async def main() -> None:
+            await asyncio.gather(
+                *(_client(base, until, warm_until, lat, errors) for _ in range(CLIENTS))
+            )
+
+        asyncio.run(main())
+        elapsed = time.perf_counter() - warm_until
+        client_cpu = time.process_time() - cpu0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        log.close()
+    every = lat["POST"] + lat["GET"]
+    rps = len(every) / elapsed
+    p99 = _p(every, 99)
+    return {
+        "goal": f">= {GOAL_RPS:.0f} requests/s and p99 <= {GOAL_P99_S * 1e3:.0f} ms with "
+        f"{CLIENTS} clients (POST + GET /v1/experiments, SQLite, dispatchers idle)",
+        "met": bool(rps >= GOAL_RPS and p99 is not None and p99 <= GOAL_P99_S and not errors),
+        "status": "met"
+        if rps >= GOAL_RPS and p99 is not None and p99 <= GOAL_P99_S and not errors
+        else "not met",
+        "clients": CLIENTS,
+        "seconds": elapsed,
+        "requests": len(every),
+        "requests_per_s": rps,
+        "p50_s": _p(every, 50),
+        "p99_s": p99,
+        "by_endpoint": {
+            k: {"n": len(v), "p50_s": _p(v, 50), "p99_s": _p(v, 99)} for k, v in lat.items()
+        },
+        "errors": len(errors),
+        "error_sample": errors[:5],
+        "client_cpu_share": client_cpu / (time.perf_counter() - t0) / (os.cpu_count() or 1),
+    }

@@ -1,0 +1,53 @@
+"""`make bench`'s report: the summary reads any subset of goals (a `--only` run)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.run import summary_lines
+
+MACHINE = {"cpu_count": 2, "torch": "2.13.0", "ray": "2.60.0"}
+
+
+def report(goals: dict[str, Any]) -> dict[str, Any]:
+    return {"date": "2026-12-02", "quick": False, "wall_s": 1.0, "machine": MACHINE, "goals": goals}
+
+
+def test_summary_of_one_goal() -> None:
+    api = {
+        "status": "not met",
+        "requests_per_s": 250.0,
+        "p99_s": 0.2,
+        "p50_s": 0.05,
+        "errors": 0,
+        "clients": 50,
+    }
+    lines = summary_lines(report({"api_load": api}))
+    assert len(lines) == 2
+    assert "api_load" in lines[1] and "NOT MET" in lines[1] and "250 req/s" in lines[1]
+
+
+def test_summary_of_no_goal_and_of_an_error() -> None:
+    assert len(summary_lines(report({}))) == 1
+    err = {"status": "error", "error": "RuntimeError: boom"}
+    (head, line) = summary_lines(report({"async_overhead": err}))
+    assert "ERROR" in line and "boom" in line
+
+
+def test_summary_of_every_mechanism_goal() -> None:
+    goals = {
+        "hot_spare_recovery": {
+            "status": "met",
+            "median_resumed_s": {"hot_spare": 0.5, "disk_ckpt": 3.0},
+            "ratio": 0.17,
+        },
+        "async_overhead": {
+            "status": "met",
+            "overhead_pct": {"async_ckpt": 4.0, "disk_ckpt": 40.0},
+            "ratio": 0.1,
+            "rounds": 3,
+        },
+    }
+    lines = summary_lines(report(goals))
+    assert any(line.strip().startswith("hot_spare_recov") for line in lines)
+    assert any("0.10x" in line for line in lines)
