@@ -194,7 +194,18 @@ Db = Annotated[Session, Depends(_session)]
 
 
 def create_app(settings: Settings, db: Database) -> FastAPI:
+    errors: dict[int | str, dict[str, Any]] = {
+        code: {"model": schemas.Error, "description": text}
+        for code, text in [
+            (401, "Missing or wrong bearer token"),
+            (404, "No such experiment or sweep"),
+            (409, "Not allowed in the current state, or an Idempotency-Key reused"),
+            (413, "Request body over the cap"),
+            (503, "The database is unavailable"),
+        ]
+    }
     app = FastAPI(
+        responses=errors,
         default_response_class=FiniteJSONResponse,
         title="FailBench-Ray",
         version=API_VERSION,

@@ -109,3 +109,10 @@ class Health(BaseModel):
     status: str
     database: str
     dispatchers: int
+
+
+class Error(BaseModel):
+    detail: Any = Field(
+        description="What is wrong and what to change; for 422 a list of "
+        "{loc, msg, type} with the field's path."
+    )

@@ -38,7 +38,8 @@ FAULTY = {
 
 
 def actor_processes(session_leader: int) -> list[str]:
-    """Titles of the Ray actor processes in the service's process session."""
+    """Titles of the project's Ray actor processes (ranks, chaos, holders) in the service's
+    process session (Ray's own agents live as long as the cluster)."""
     titles = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -49,7 +50,7 @@ def actor_processes(session_leader: int) -> list[str]:
         except OSError:
             continue
         mine = int(fields[3]) == session_leader and fields[0] != "Z"
-        if mine and cmd.startswith("ray::") and not cmd.startswith("ray::IDLE"):
+        if mine and cmd.startswith(("ray::Worker", "ray::Chaos", "ray::ReplicaHolder")):
             titles.append(cmd)
     return titles
 
