@@ -86,6 +86,9 @@ def test_ctrl_c_stops_every_actor_and_marks_the_trial_interrupted(tmp_path: Path
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group, as a shell gives a foreground job
+        # and Ctrl-C's default action, even when this suite runs as a background job (which
+        # a shell starts with SIGINT ignored, and children would inherit that)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     db = Database(db_url)
     try:

@@ -572,6 +572,9 @@ def test_ctrl_c_puts_the_running_cell_back_to_pending(tmp_path: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group, as a shell gives a foreground job
+        # and Ctrl-C's default action, even when this suite runs as a background job (which
+        # a shell starts with SIGINT ignored, and children would inherit that)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 120
