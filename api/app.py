@@ -135,6 +135,12 @@ def _known_id(value: str, missing: Exception) -> str:
     return value
 
 
+def _experiment(session: Session, experiment_id: str) -> Experiment:
+    return repo.get_experiment(
+        session, _known_id(experiment_id, repo.ExperimentNotFound(experiment_id))
+    )
+
+
 def _detail(loc: list[Any], msg: str, kind: str) -> list[dict[str, Any]]:
     return [{"loc": loc, "msg": msg, "type": kind}]
 
@@ -323,11 +329,10 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
         "/v1/experiments/{experiment_id}",
         response_model=schemas.ExperimentDetail,
         dependencies=reader,
-        responses={404: {"description": "No such experiment"}},
     )
     def get_experiment(experiment_id: str, s: Db) -> schemas.ExperimentDetail:
         """An experiment's status and, once it has run, its result."""
-        e = repo.get_experiment(s, _known_id(experiment_id, repo.ExperimentNotFound(experiment_id)))
+        e = _experiment(s, experiment_id)
         has_trials = s.scalar(select(Trial.id).where(Trial.experiment_id == e.id).limit(1))
         result = repo.load_result(s, e.id) if has_trials is not None else None
         return schemas.ExperimentDetail(
@@ -338,11 +343,10 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
         "/v1/experiments/{experiment_id}/events",
         response_model=schemas.ExperimentEvents,
         dependencies=reader,
-        responses={404: {"description": "No such experiment"}},
     )
     def experiment_events(experiment_id: str, s: Db) -> schemas.ExperimentEvents:
         """The recovery timeline (each failure's phases) and checkpoint events, per trial."""
-        e = repo.get_experiment(s, _known_id(experiment_id, repo.ExperimentNotFound(experiment_id)))
+        e = _experiment(s, experiment_id)
         trials = s.scalars(
             select(Trial).where(Trial.experiment_id == e.id).order_by(Trial.kind, Trial.index)
         )
@@ -351,14 +355,8 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
                 kind=t.kind,
                 index=t.index,
                 status=t.status,
-                failures=[
-                    jsonable_encoder(f, custom_encoder={float: _finite})
-                    for f in repo.load_failures(s, t.id)
-                ],
-                checkpoints=[
-                    jsonable_encoder(c, custom_encoder={float: _finite})
-                    for c in repo.load_checkpoint_events(s, t.id)
-                ],
+                failures=[jsonable_encoder(f) for f in repo.load_failures(s, t.id)],
+                checkpoints=[jsonable_encoder(c) for c in repo.load_checkpoint_events(s, t.id)],
             )
             for t in trials
         ]
@@ -369,11 +367,10 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
         response_model=schemas.Cancelled,
         status_code=status.HTTP_202_ACCEPTED,
         dependencies=writer,
-        responses={404: {"description": "No such experiment"}, 409: {"description": "Finished"}},
     )
     def cancel_experiment(experiment_id: str, s: Db) -> schemas.Cancelled:
         """Cancel a queued experiment, or stop a running one (and its actors)."""
-        _known_id(experiment_id, repo.ExperimentNotFound(experiment_id))
+        _experiment(s, experiment_id)
         return schemas.Cancelled(id=experiment_id, status=queue.cancel(s, experiment_id))
 
     # -- sweeps ----------------------------------------------------------------------------
@@ -436,7 +433,6 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
         "/v1/sweeps/{sweep_id}",
         response_model=schemas.SweepOut,
         dependencies=reader,
-        responses={404: {"description": "No such sweep"}},
     )
     def get_sweep(sweep_id: str, s: Db) -> schemas.SweepOut:
         """A sweep's progress, cell by cell (a cell follows its experiment)."""
@@ -500,10 +496,6 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-def _finite(x: float) -> float | None:
-    return x if x == x and abs(x) != float("inf") else None
 
 
 def _cell_status(cell_status: str, experiment_status: str | None) -> str:
