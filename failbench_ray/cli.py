@@ -113,17 +113,17 @@ def _service(args: argparse.Namespace) -> int:
     if args.lease_s <= 0 or args.max_attempts < 1:
         raise _usage("--lease-s must be > 0 and --max-attempts >= 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    common = {
-        "db_url": args.db,
-        "ray_address": args.ray_address,
-        "n_dispatchers": args.dispatchers,
-        "out_dir": args.out,
-        "lease_s": args.lease_s,
-        "max_attempts": args.max_attempts,
-    }
+    cfg = service.Dispatching(
+        db_url=args.db,
+        ray_address=args.ray_address,
+        n=args.dispatchers,
+        out_dir=args.out,
+        lease_s=args.lease_s,
+        max_attempts=args.max_attempts,
+    )
     if args.command == "serve":
-        return service.serve(host=args.host, port=args.port, **common)
-    return service.dispatch(**common)
+        return service.serve(host=args.host, port=args.port, cfg=cfg)
+    return service.dispatch(cfg)
 
 
 def _usage(message: str) -> Exception:

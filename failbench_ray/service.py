@@ -8,6 +8,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
@@ -17,24 +18,35 @@ from failbench_ray.storage.db import Database
 log = logging.getLogger("failbench.service")
 
 
+@dataclass(frozen=True)
+class Dispatching:
+    """What `serve` and `dispatch` share: where the queue and the cluster are, and how many
+    dispatchers run it."""
+
+    db_url: str | None
+    ray_address: str | None
+    n: int
+    out_dir: Path
+    lease_s: float
+    max_attempts: int
+
+
 @contextmanager
-def dispatchers(
-    db: Database, n: int, *, out_dir: Path, lease_s: float, max_attempts: int
-) -> Iterator[threading.Event]:
-    """Run `n` dispatcher threads until the block ends (each finishes its current
+def dispatchers(db: Database, cfg: Dispatching) -> Iterator[threading.Event]:
+    """Run `cfg.n` dispatcher threads until the block ends (each finishes its current
     experiment's bookkeeping: a run cut short by the stop goes back to the queue)."""
     from failbench_ray.dispatcher import Dispatcher
 
     stop = threading.Event()
     threads = []
-    for i in range(n):
+    for i in range(cfg.n):
         d = Dispatcher(
             db,
-            lease_s=lease_s,
-            max_attempts=max_attempts,
-            out_dir=out_dir,
+            lease_s=cfg.lease_s,
+            max_attempts=cfg.max_attempts,
+            out_dir=cfg.out_dir,
             stop_event=stop,
-            cluster_share=1.0 / n,  # experiments at once share the cluster evenly
+            cluster_share=1.0 / cfg.n,  # experiments at once share the cluster evenly
         )
         t = threading.Thread(target=d.run_forever, args=(stop,), name=f"dispatcher-{i}")
         t.start()
@@ -57,17 +69,7 @@ def _check_bind(host: str, token: bool) -> None:
         )
 
 
-def serve(
-    *,
-    host: str,
-    port: int,
-    db_url: str | None,
-    ray_address: str | None,
-    n_dispatchers: int,
-    out_dir: Path,
-    lease_s: float,
-    max_attempts: int,
-) -> int:
+def serve(*, host: str, port: int, cfg: Dispatching) -> int:
     import ray
     import uvicorn
 
@@ -77,13 +79,11 @@ def serve(
 
     settings = Settings(host=host)
     _check_bind(host, settings.api_token is not None)
-    db = Database(db_url)  # migrates on start
-    started = runtime.connect(ray_address) if n_dispatchers else False
+    db = Database(cfg.db_url)  # migrates on start
+    started = runtime.connect(cfg.ray_address) if cfg.n else False
     app = create_app(settings, db)
     try:
-        with dispatchers(
-            db, n_dispatchers, out_dir=out_dir, lease_s=lease_s, max_attempts=max_attempts
-        ):
+        with dispatchers(db, cfg):
             # uvicorn handles SIGINT/SIGTERM: it stops serving and returns; then the
             # dispatchers stop (their runs go back to the queue).
             uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)
@@ -94,21 +94,13 @@ def serve(
     return 0
 
 
-def dispatch(
-    *,
-    db_url: str | None,
-    ray_address: str | None,
-    n_dispatchers: int,
-    out_dir: Path,
-    lease_s: float,
-    max_attempts: int,
-) -> int:
+def dispatch(cfg: Dispatching) -> int:
     import ray
 
     from failbench_ray import runtime
 
-    db = Database(db_url)
-    started = runtime.connect(ray_address)
+    db = Database(cfg.db_url)
+    started = runtime.connect(cfg.ray_address)
     done = threading.Event()
 
     def _stop(signum: int, frame: FrameType | None) -> None:
@@ -117,9 +109,7 @@ def dispatch(
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     try:
-        with dispatchers(
-            db, n_dispatchers, out_dir=out_dir, lease_s=lease_s, max_attempts=max_attempts
-        ):
+        with dispatchers(db, cfg):
             done.wait()
     finally:
         db.dispose()
