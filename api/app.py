@@ -190,13 +190,16 @@ def _registry() -> dict[str, Any]:
 
 
 def _session(request: Request) -> Iterator[Session]:
-    """One unit of work per request: committed if the endpoint returns, else rolled back."""
+    """One unit of work per request: committed if the endpoint returns, else rolled back.
+    Scoped to the endpoint function (below) so the commit happens before the response is
+    sent: a client that reads right after a 202 sees what it was told, and a failed commit
+    is an error response, not a 2xx for a lost write."""
     db: Database = request.app.state.db
     with db.session() as s:
         yield s
 
 
-Db = Annotated[Session, Depends(_session)]
+Db = Annotated[Session, Depends(_session, scope="function")]
 
 
 def create_app(settings: Settings, db: Database) -> FastAPI:

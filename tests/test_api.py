@@ -169,6 +169,15 @@ def test_cancel_a_queued_experiment_then_again(api: httpx.Client) -> None:
     assert again.status_code == 409 and "is cancelled" in again.json()["detail"]
 
 
+def test_a_read_right_after_a_cancel_sees_it(api: httpx.Client) -> None:
+    # The cancel's commit must happen before its 202 is sent (CI once read 'queued' here):
+    # repeated, since the race it guards against is a matter of microseconds.
+    for _ in range(30):
+        exp = submit(api, TINY).json()["id"]
+        assert api.post(f"/v1/experiments/{exp}/cancel").status_code == 202
+        assert api.get(f"/v1/experiments/{exp}").json()["status"] == "cancelled"
+
+
 def test_mutations_need_the_token_reads_do_not_on_loopback(server: Server) -> None:
     with server.client() as anon:
         assert submit(anon, TINY).status_code == 401
