@@ -48,10 +48,17 @@ class Packed:
         return int(self.buffer.nbytes)
 
 
-def pack(state: Any, reuse: Packed | None = None) -> Packed:
-    """Copy every tensor of `state` into one contiguous buffer (the step-boundary snapshot).
-    `reuse`: an earlier snapshot nobody reads any more; its buffer is filled again if the size
-    fits (no fresh allocation, whose page faults the step would pay for)."""
+@dataclass
+class Layout:
+    """Where each tensor of a state goes in a flat buffer, before any byte is copied."""
+
+    skeleton: Any  # the state with every tensor replaced by a _Slot
+    tensors: list[torch.Tensor]
+    meta: list[tuple[str, tuple[int, ...], int, int]]  # (dtype, shape, offset, nbytes)
+    nbytes: int  # the buffer's size, padding included
+
+
+def layout(state: Any) -> Layout:
     tensors: list[torch.Tensor] = []
 
     def strip(obj: Any) -> Any:
@@ -70,14 +77,27 @@ def pack(state: Any, reuse: Packed | None = None) -> Packed:
         n = t.numel() * t.element_size()
         meta.append((str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, n))
         offset += -(-n // _ALIGN) * _ALIGN  # every tensor aligned, so its view is legal
-    if reuse is not None and reuse.buffer.nbytes == offset and reuse.buffer.flags.writeable:
+    return Layout(skeleton, tensors, meta, offset)
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a flat uint8 tensor (a view when it is already contiguous on CPU)."""
+    return t.cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def pack(state: Any, reuse: Packed | None = None) -> Packed:
+    """Copy every tensor of `state` into one contiguous buffer (the step-boundary snapshot).
+    `reuse`: an earlier snapshot nobody reads any more; its buffer is filled again if the size
+    fits (no fresh allocation, whose page faults the step would pay for)."""
+    lay = layout(state)
+    if reuse is not None and reuse.buffer.nbytes == lay.nbytes and reuse.buffer.flags.writeable:
         flat = torch.from_numpy(reuse.buffer)
     else:
-        flat = torch.empty(offset, dtype=torch.uint8)
-    for t, (_, _, off, n) in zip(tensors, meta, strict=True):
+        flat = torch.empty(lay.nbytes, dtype=torch.uint8)
+    for t, (_, _, off, n) in zip(lay.tensors, lay.meta, strict=True):
         if n:
-            flat[off : off + n].copy_(t.cpu().contiguous().reshape(-1).view(torch.uint8))
-    return Packed(skeleton, meta, flat.numpy())
+            flat[off : off + n].copy_(raw_bytes(t))
+    return Packed(lay.skeleton, lay.meta, flat.numpy())
 
 
 def unpack(packed: Packed) -> Any:

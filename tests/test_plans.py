@@ -161,7 +161,7 @@ def save_packed(state: Any, path: Path, on_first_write: Any = lambda: None) -> t
     return io.save_packed_atomic(pack(state), path, on_first_write)
 
 
-WRITERS = pytest.mark.parametrize("save", [io.save_atomic, save_packed], ids=["torch", "packed"])
+WRITERS = pytest.mark.parametrize("save", [io.save_atomic, save_packed], ids=["direct", "packed"])
 
 
 @WRITERS
@@ -196,6 +196,13 @@ def test_save_then_load_round_trips_bit_exactly(save: Any, tmp_path: Path) -> No
         assert bits(got) == bits(t), name
     buf = loaded["optimizer"]["state"][0]["momentum_buffer"]
     assert bits(buf) == bits(state["optimizer"]["state"][0]["momentum_buffer"])
+
+
+def test_load_refuses_a_file_that_is_no_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "shard_00000.pt"
+    torch.save({"x": torch.ones(1)}, path)
+    with pytest.raises(ValueError, match="not a FailBench checkpoint"):
+        io.load(path)
 
 
 def test_latest_complete(tmp_path: Path) -> None:
