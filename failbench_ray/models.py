@@ -129,8 +129,10 @@ def loss_fn(spec: ModelSpec, output: torch.Tensor, target: torch.Tensor) -> torc
 def param_count(spec: ModelSpec) -> int:
     """Parameters of the model, computed without building it (to size the state up front)."""
     if spec.kind == "mlp":
-        dims = [spec.input_dim] + [spec.hidden_dim] * spec.depth + [spec.num_classes]
-        return sum(a * b + b for a, b in zip(dims[:-1], dims[1:], strict=True))
+        i, h, c = spec.input_dim, spec.hidden_dim, spec.num_classes
+        # closed form, not a list of `depth` layers: a spec may ask for any depth (and is
+        # then refused by the size cap, not by an overflow)
+        return (i * h + h) + (spec.depth - 1) * (h * h + h) + (h * c + c)
     d = spec.d_model
     per_block = 4 * (d * d + d) + 2 * (2 * d) + (d * 4 * d + 4 * d) + (4 * d * d + d)
     return (

@@ -126,6 +126,7 @@ def test_list_filters_and_pages(api: httpx.Client) -> None:
         ({"world_size": 65}, ["body", "world_size"], "cap max_world_size=64"),
         ({"steps": 10**6}, ["body", "steps"], "cap max_steps"),
         ({"model": {"kind": "mlp", "hidden_dim": 20000, "depth": 8}}, ["body", "model"], "MB"),
+        ({"model": {"kind": "mlp", "depth": 10**27}}, ["body", "model"], "max_state_mb"),
         ({"unknown_field": 1}, ["body", "unknown_field"], "not permitted"),
     ],
 )
