@@ -12,10 +12,12 @@ import json
 import math
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import lru_cache
 from typing import Annotated, Any
 
+import anyio
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request, Response, status
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
@@ -109,6 +111,35 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
+class Timed:
+    """Observe each request's latency by method, route and status (a plain ASGI middleware:
+    Starlette's `@app.middleware("http")` would add a task and two streams per request)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        code = 500  # what the client gets if the app raises before answering
+
+        async def observed(message: Message) -> None:
+            nonlocal code
+            if message["type"] == "http.response.start":
+                code = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, observed)
+        finally:
+            route = scope.get("route")  # the router fills it in on the shared scope
+            self.metrics.latency.labels(
+                scope["method"], getattr(route, "path", "unmatched"), str(code)
+            ).observe(time.perf_counter() - t0)
+
+
 def _finite_json(obj: Any) -> Any:
     """NaN and infinities (a diverged loss) as null: JSON has no such numbers."""
     if isinstance(obj, float):
@@ -189,19 +220,6 @@ def _registry() -> dict[str, Any]:
     return jsonable_encoder({**catalog(), "matrix": matrix()}, custom_encoder={type: repr})
 
 
-def _session(request: Request) -> Iterator[Session]:
-    """One unit of work per request: committed if the endpoint returns, else rolled back.
-    Scoped to the endpoint function (below) so the commit happens before the response is
-    sent: a client that reads right after a 202 sees what it was told, and a failed commit
-    is an error response, not a 2xx for a lost write."""
-    db: Database = request.app.state.db
-    with db.session() as s:
-        yield s
-
-
-Db = Annotated[Session, Depends(_session, scope="function")]
-
-
 def create_app(settings: Settings, db: Database) -> FastAPI:
     errors: dict[int | str, dict[str, Any]] = {
         code: {"model": schemas.Error, "description": text}
@@ -213,7 +231,16 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
             (503, "The database is unavailable"),
         ]
     }
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # anyio's default of 40 threads, on a couple of cores, only queues requests behind
+        # each other's GIL and SQLite locks, and outgrows the connection pool
+        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.threads
+        yield
+
     app = FastAPI(
+        lifespan=lifespan,
         responses=errors,
         default_response_class=FiniteJSONResponse,
         title="FailBench-Ray",
@@ -225,17 +252,7 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
     metrics = Metrics(db)
     app.state.metrics = metrics
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
-
-    @app.middleware("http")
-    async def timed(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Any:
-        t0 = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        metrics.latency.labels(request.method, path, str(response.status_code)).observe(
-            time.perf_counter() - t0
-        )
-        return response
+    app.add_middleware(Timed, metrics=metrics)
 
     @app.exception_handler(repo.ExperimentNotFound)
     async def _not_found(_: Request, err: Exception) -> JSONResponse:
@@ -258,6 +275,10 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
             status.HTTP_503_SERVICE_UNAVAILABLE,
         )
 
+    # Each endpoint does its database work in one `with db.session()` block: committed before
+    # the response is sent (a client reading right after a 202 sees what it was told, and a
+    # failed commit is an error response, not a 2xx for a lost write), and in one trip to the
+    # thread pool (a session dependency would cost two more).
     writer = [Depends(require_writer)]
     reader = [Depends(require_reader)]
 
@@ -286,13 +307,10 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
                     raise
         if not got.created:
             response.status_code = status.HTTP_200_OK
-        with db.session() as s:
-            st = repo.get_experiment(s, got.experiment_id).status
-        return schemas.Submitted(id=got.experiment_id, status=st, created=got.created)
+        return schemas.Submitted(id=got.experiment_id, status=got.status, created=got.created)
 
     @app.get("/v1/experiments", response_model=schemas.ExperimentPage, dependencies=reader)
     def list_experiments(
-        s: Db,
         status_: Annotated[
             str | None, Query(alias="status", description=", ".join(EXPERIMENT_STATUSES))
         ] = None,
@@ -317,53 +335,56 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
             where.append(Experiment.mechanism == mechanism)
         if sweep is not None:
             where.append(Experiment.sweep_id == sweep)
-        total = s.scalar(select(func.count()).select_from(Experiment).where(*where)) or 0
-        rows = s.scalars(
-            select(Experiment)
-            .where(*where)
-            .order_by(Experiment.created_at.desc(), Experiment.id.desc())
-            .limit(limit)
-            .offset(offset)
-        )
-        items = [schemas.ExperimentSummary.of(e) for e in rows]
-        return schemas.ExperimentPage(items=items, total=total, limit=limit, offset=offset)
+        with db.session() as s:
+            total = s.scalar(select(func.count()).select_from(Experiment).where(*where)) or 0
+            rows = s.scalars(
+                select(Experiment)
+                .where(*where)
+                .order_by(Experiment.created_at.desc(), Experiment.id.desc())
+                .limit(limit)
+                .offset(offset)
+            )
+            items = [schemas.ExperimentSummary.of(e) for e in rows]
+            return schemas.ExperimentPage(items=items, total=total, limit=limit, offset=offset)
 
     @app.get(
         "/v1/experiments/{experiment_id}",
         response_model=schemas.ExperimentDetail,
         dependencies=reader,
     )
-    def get_experiment(experiment_id: str, s: Db) -> schemas.ExperimentDetail:
+    def get_experiment(experiment_id: str) -> schemas.ExperimentDetail:
         """An experiment's status and, once it has run, its result."""
-        e = _experiment(s, experiment_id)
-        has_trials = s.scalar(select(Trial.id).where(Trial.experiment_id == e.id).limit(1))
-        result = repo.load_result(s, e.id) if has_trials is not None else None
-        return schemas.ExperimentDetail(
-            **schemas.ExperimentSummary.of(e).model_dump(), spec=dict(e.spec), result=result
-        )
+        with db.session() as s:
+            e = _experiment(s, experiment_id)
+            has_trials = s.scalar(select(Trial.id).where(Trial.experiment_id == e.id).limit(1))
+            result = repo.load_result(s, e.id) if has_trials is not None else None
+            return schemas.ExperimentDetail(
+                **schemas.ExperimentSummary.of(e).model_dump(), spec=dict(e.spec), result=result
+            )
 
     @app.get(
         "/v1/experiments/{experiment_id}/events",
         response_model=schemas.ExperimentEvents,
         dependencies=reader,
     )
-    def experiment_events(experiment_id: str, s: Db) -> schemas.ExperimentEvents:
+    def experiment_events(experiment_id: str) -> schemas.ExperimentEvents:
         """The recovery timeline (each failure's phases) and checkpoint events, per trial."""
-        e = _experiment(s, experiment_id)
-        trials = s.scalars(
-            select(Trial).where(Trial.experiment_id == e.id).order_by(Trial.kind, Trial.index)
-        )
-        out = [
-            schemas.TrialEvents(
-                kind=t.kind,
-                index=t.index,
-                status=t.status,
-                failures=[jsonable_encoder(f) for f in repo.load_failures(s, t.id)],
-                checkpoints=[jsonable_encoder(c) for c in repo.load_checkpoint_events(s, t.id)],
+        with db.session() as s:
+            e = _experiment(s, experiment_id)
+            trials = s.scalars(
+                select(Trial).where(Trial.experiment_id == e.id).order_by(Trial.kind, Trial.index)
             )
-            for t in trials
-        ]
-        return schemas.ExperimentEvents(id=e.id, status=e.status, trials=out)
+            out = [
+                schemas.TrialEvents(
+                    kind=t.kind,
+                    index=t.index,
+                    status=t.status,
+                    failures=[jsonable_encoder(f) for f in repo.load_failures(s, t.id)],
+                    checkpoints=[jsonable_encoder(c) for c in repo.load_checkpoint_events(s, t.id)],
+                )
+                for t in trials
+            ]
+            return schemas.ExperimentEvents(id=e.id, status=e.status, trials=out)
 
     @app.post(
         "/v1/experiments/{experiment_id}/cancel",
@@ -371,10 +392,11 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
         status_code=status.HTTP_202_ACCEPTED,
         dependencies=writer,
     )
-    def cancel_experiment(experiment_id: str, s: Db) -> schemas.Cancelled:
+    def cancel_experiment(experiment_id: str) -> schemas.Cancelled:
         """Cancel a queued experiment, or stop a running one (and its actors)."""
-        _experiment(s, experiment_id)
-        return schemas.Cancelled(id=experiment_id, status=queue.cancel(s, experiment_id))
+        with db.session() as s:
+            _experiment(s, experiment_id)
+            return schemas.Cancelled(id=experiment_id, status=queue.cancel(s, experiment_id))
 
     # -- sweeps ----------------------------------------------------------------------------
     @app.post(
@@ -437,31 +459,32 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
         response_model=schemas.SweepOut,
         dependencies=reader,
     )
-    def get_sweep(sweep_id: str, s: Db) -> schemas.SweepOut:
+    def get_sweep(sweep_id: str) -> schemas.SweepOut:
         """A sweep's progress, cell by cell (a cell follows its experiment)."""
-        row = repo.get_sweep(s, _known_id(sweep_id, repo.SweepNotFound(sweep_id)))
-        statuses = dict(
-            s.execute(
-                select(SweepCell.key, Experiment.status)
-                .join(Experiment, Experiment.id == SweepCell.experiment_id)
-                .where(SweepCell.sweep_id == sweep_id)
-            ).all()
-        )
-        cells = []
-        for c in repo.list_sweep_cells(s, sweep_id):
-            exp_status = statuses.get(c.key)
-            cells.append(
-                schemas.SweepCellOut(
-                    key=c.key,
-                    architecture=c.architecture,
-                    mechanism=c.mechanism,
-                    trace=c.trace,
-                    status=_cell_status(c.status, exp_status),
-                    reason=c.reason,
-                    experiment_id=c.experiment_id,
-                    experiment_status=exp_status,
-                )
+        with db.session() as s:
+            row = repo.get_sweep(s, _known_id(sweep_id, repo.SweepNotFound(sweep_id)))
+            statuses = dict(
+                s.execute(
+                    select(SweepCell.key, Experiment.status)
+                    .join(Experiment, Experiment.id == SweepCell.experiment_id)
+                    .where(SweepCell.sweep_id == sweep_id)
+                ).all()
             )
+            cells = []
+            for c in repo.list_sweep_cells(s, sweep_id):
+                exp_status = statuses.get(c.key)
+                cells.append(
+                    schemas.SweepCellOut(
+                        key=c.key,
+                        architecture=c.architecture,
+                        mechanism=c.mechanism,
+                        trace=c.trace,
+                        status=_cell_status(c.status, exp_status),
+                        reason=c.reason,
+                        experiment_id=c.experiment_id,
+                        experiment_status=exp_status,
+                    )
+                )
         progress = {k: 0 for k in ("pending", "running", "completed", "failed", "skipped")}
         for cell in cells:
             progress[cell.status] += 1

@@ -1,4 +1,7 @@
-"""Who may do what: mutating requests need the bearer token; reads too, off loopback."""
+"""Who may do what: mutating requests need the bearer token; reads too, off loopback.
+
+The checks are `async`: they do no I/O, and a sync dependency would cost each request a trip
+to the thread pool."""
 
 from __future__ import annotations
 
@@ -31,13 +34,13 @@ def _check(settings: Settings, creds: HTTPAuthorizationCredentials | None) -> No
         )
 
 
-def require_writer(
+async def require_writer(
     request: Request, creds: HTTPAuthorizationCredentials | None = Depends(_bearer)
 ) -> None:
     _check(_settings(request), creds)
 
 
-def require_reader(
+async def require_reader(
     request: Request, creds: HTTPAuthorizationCredentials | None = Depends(_bearer)
 ) -> None:
     settings = _settings(request)

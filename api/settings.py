@@ -23,6 +23,13 @@ class Settings(BaseSettings):
         4096.0, gt=0, description="Largest model + Adam state per replica of a spec, in MB."
     )
     max_sweep_cells: int = Field(1000, ge=1, description="Largest grid of a submitted sweep.")
+    threads: int = Field(
+        8,
+        ge=1,
+        le=256,
+        description="Threads that run requests' database work (and database connections kept "
+        "open for them). More only adds lock and GIL contention on a few cores.",
+    )
 
     @property
     def loopback(self) -> bool:

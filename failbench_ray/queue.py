@@ -44,6 +44,7 @@ class InvalidTransition(Exception):
 @dataclass(frozen=True)
 class Submitted:
     experiment_id: str
+    status: str
     created: bool  # False: the Idempotency-Key named an existing experiment
 
 
@@ -66,7 +67,7 @@ def submit(
                     f"Idempotency-Key {idempotency_key!r} was used for experiment {found.id} "
                     "with a different spec; use a new key for a new experiment"
                 )
-            return Submitted(found.id, created=False)
+            return Submitted(found.id, found.status, created=False)
     exp_id = repo.create_experiment(
         session,
         spec=data,
@@ -79,7 +80,7 @@ def submit(
     if idempotency_key is not None:
         repo.get_experiment(session, exp_id).idempotency_key = idempotency_key
         session.flush()
-    return Submitted(exp_id, created=True)
+    return Submitted(exp_id, "queued", created=True)
 
 
 def claim(session: Session, owner: str, lease_s: float = DEFAULT_LEASE_S) -> str | None:

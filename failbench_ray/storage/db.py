@@ -38,6 +38,9 @@ _SQLITE_PRAGMAS = (
 _DRIVER_PREFIXES = re.compile(
     r"^(?:connection (?:failed|is bad): |connection to server .*? failed: |FATAL: +)+"
 )
+# Connections kept open per process (opened only when needed). SQLAlchemy's default of 5 is
+# under the API's 8 request threads: the rest would open and close a connection per request.
+_POOL_SIZE = 10
 # Any constant: serializes concurrent `migrate` calls (several workers starting at once).
 _PG_MIGRATION_LOCK = 0x46424D47
 
@@ -84,7 +87,9 @@ def make_engine(url: str) -> Engine:
         if sa_url.get_backend_name() == "sqlite":
             return _sqlite_engine(url)
         connect_args = {} if "connect_timeout" in sa_url.query else {"connect_timeout": 10}
-        return create_engine(url, pool_pre_ping=True, connect_args=connect_args)
+        return create_engine(
+            url, pool_pre_ping=True, pool_size=_POOL_SIZE, connect_args=connect_args
+        )
     except NoSuchModuleError as exc:
         raise DatabaseError(
             f"unknown database type in {mask_url(url)!r}: use sqlite:///PATH or "
@@ -98,7 +103,11 @@ def make_engine(url: str) -> Engine:
 
 
 def _sqlite_engine(url: str) -> Engine:
-    engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+    engine = create_engine(
+        url,
+        pool_size=_POOL_SIZE,
+        connect_args={"check_same_thread": False, "timeout": 30},
+    )
 
     @event.listens_for(engine, "connect")
     def _set_pragmas(dbapi_connection: DBAPIConnection, _record: ConnectionPoolEntry) -> None:
