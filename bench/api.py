@@ -45,7 +45,7 @@ def _port() -> int:
 async def _client(
     base: str, until: float, warm_until: float, lat: dict[str, list[float]], errors: list[str]
 ) -> None:
-    # aiohttp, one keep-alive connection per client: it needs about a third of httpx's CPU per
+    # aiohttp, one keep-alive connection per client: it needs about a quarter of httpx's CPU per
     # request, and every cycle the load generator spends is one the server does not get here.
     conn = aiohttp.TCPConnector(limit=1)
     async with aiohttp.ClientSession(base, connector=conn, timeout=_TIMEOUT) as c:
