@@ -26,7 +26,7 @@ lint: $(STAMP)
 	$(BIN)/mypy failbench_ray architectures mechanisms injector api bench
 
 test: $(STAMP) lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=20
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run --out bench/results.json

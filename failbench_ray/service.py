@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -69,6 +70,25 @@ def _check_bind(host: str, token: bool) -> None:
         )
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind the API's port before anything else starts: a local Ray cluster opens ports of its
+    own (metrics and dashboard agents) and could take ours in the meantime, and a busy port is
+    then a clear error before any cluster was started for nothing."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as err:
+        sock.close()
+        raise SpecError(
+            f"cannot listen on {host}:{port}: {err.strerror}. Stop what uses that port, or "
+            "choose another with --port"
+        ) from err
+    return sock  # not inheritable (PEP 446): Ray's child processes do not hold it
+
+
 def serve(*, host: str, port: int, cfg: Dispatching) -> int:
     import ray
     import uvicorn
@@ -79,16 +99,22 @@ def serve(*, host: str, port: int, cfg: Dispatching) -> int:
 
     settings = Settings(host=host)
     _check_bind(host, settings.api_token is not None)
-    db = Database(cfg.db_url)  # migrates on start
-    started = runtime.connect(cfg.ray_address) if cfg.n else False
-    app = create_app(settings, db)
+    sock = _listen(host, port)
+    started = False
+    db = None
     try:
+        db = Database(cfg.db_url)  # migrates on start
+        started = runtime.connect(cfg.ray_address) if cfg.n else False
+        app = create_app(settings, db)
+        config = uvicorn.Config(app, log_level="info", access_log=False)
         with dispatchers(db, cfg):
             # uvicorn handles SIGINT/SIGTERM: it stops serving and returns; then the
             # dispatchers stop (their runs go back to the queue).
-            uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)
+            uvicorn.Server(config).run(sockets=[sock])
     finally:
-        db.dispose()
+        sock.close()
+        if db is not None:
+            db.dispose()
         if started:
             ray.shutdown()
     return 0

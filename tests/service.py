@@ -93,9 +93,11 @@ class Server(Process):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"serve exited {self.proc.returncode}:\n{self.output()}")
             try:
-                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
+                r = httpx.get(f"{self.url}/healthz", timeout=2)
+                # ours, not some other server that happens to answer on the port
+                if r.status_code == 200 and r.json().get("database") == "ok":
                     return
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(0.2)
         raise RuntimeError(f"serve did not come up in {timeout} s:\n{self.output()}")

@@ -4,6 +4,7 @@ leaves the queue), on SQLite and on PostgreSQL."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -250,3 +251,21 @@ def test_serve_refuses_a_public_address_without_a_token(tmp_path: Path) -> None:
     assert r.returncode == 2
     assert "refusing to serve on 0.0.0.0 without a token" in r.stderr
     assert "FAILBENCH_API_TOKEN" in r.stderr
+
+
+def test_serve_on_a_busy_port_says_so_before_starting_anything(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run(
+            [sys.executable, "-m", "failbench_ray.cli", "serve", "--port", str(port),
+             "--dispatchers", "1", "--db", f"sqlite:///{tmp_path / 'x.db'}"],
+            capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr
+    assert "--port" in r.stderr
+    # refused before the database or a Ray cluster was started
+    assert not (tmp_path / "x.db").exists()
+    assert "Started a local Ray instance" not in r.stderr
