@@ -7,16 +7,26 @@ For plain tensors (DDP, pipeline stages) everything here is the identity.
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor  # noqa: F401  (a type only; see _is_dtensor)
+
+
+def _is_dtensor(t: Any) -> TypeGuard[DTensor]:
+    # Without importing DTensor (most of a second of CPU in every worker): a value can only be
+    # one if the module that defines it is loaded (FSDP2 and tensor parallelism load it).
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def local(t: Any) -> Any:
     """The local part of a DTensor (recursively through dicts and lists); other values as is."""
-    if isinstance(t, DTensor):
+    if _is_dtensor(t):
         return t.to_local()
     if isinstance(t, dict):
         return {k: local(v) for k, v in t.items()}
@@ -55,8 +65,11 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
 
 def _like(param: torch.Tensor, value: Any) -> Any:
     """A saved local tensor as a DTensor shaped like `param`, where `param` is one."""
-    like = isinstance(param, DTensor) and isinstance(value, torch.Tensor)
-    if like and value.shape == param.to_local().shape:
+    if _is_dtensor(param) and isinstance(value, torch.Tensor):
+        from torch.distributed.tensor import DTensor  # loaded already: param is one
+
+        if value.shape != param.to_local().shape:
+            return value
         return DTensor.from_local(
             value,
             param.device_mesh,

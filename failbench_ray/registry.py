@@ -6,7 +6,8 @@ name lists the valid ones.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import importlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import Generic, TypeVar
 
 from failbench_ray.errors import SpecError
@@ -15,9 +16,13 @@ T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, modules: Mapping[str, str] | None = None) -> None:
+        """`modules`: name -> the module that registers it, imported on first use of the name
+        (a training worker imports only its own architecture: the others pull in parts of
+        torch that cost seconds of CPU per process)."""
         self.kind = kind
         self._items: dict[str, T] = {}
+        self._modules: dict[str, str] = dict(modules or {})
 
     def register(self, name: str) -> Callable[[T], T]:
         def add(item: T) -> T:
@@ -28,24 +33,37 @@ class Registry(Generic[T]):
 
         return add
 
+    def _load(self, name: str) -> None:
+        module = self._modules.pop(name, None)
+        if module is not None:
+            importlib.import_module(module)
+            if name not in self._items:
+                raise ValueError(f"module {module} did not register {self.kind} {name!r}")
+
+    def _load_all(self) -> None:
+        for name in list(self._modules):
+            self._load(name)
+
     def add(self, name: str, item: T) -> T:
         return self.register(name)(item)
 
     def get(self, name: str) -> T:
+        self._load(name)
         try:
             return self._items[name]
         except KeyError:
-            valid = ", ".join(sorted(self._items))
+            valid = ", ".join(self.names())
             raise SpecError(f"unknown {self.kind} {name!r}; valid: {valid}") from None
 
     def names(self) -> list[str]:
-        return sorted(self._items)
+        return sorted({*self._items, *self._modules})
 
     def __contains__(self, name: object) -> bool:
-        return name in self._items
+        return name in self._items or name in self._modules
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
 
     def items(self) -> list[tuple[str, T]]:
+        self._load_all()
         return sorted(self._items.items())
