@@ -1,6 +1,10 @@
 """The REST API under load: 50 concurrent clients, each submitting an experiment and reading it
 back, against `failbench serve` on SQLite with no dispatchers (the queue only grows).
 
+Two phases on one server: back to back (the most it sustains; latency there is only queueing,
+50 in flight / throughput), then paced at the goal's 300 requests/s (the latency a user sees at
+that load, measured from when each request was due).
+
 The clients run on the same machine as the server, so they compete with it for the 2 cores:
 the numbers are what this machine does with both, reported with the CPU the clients used.
 """
@@ -25,6 +29,7 @@ import httpx
 CLIENTS = 50
 GOAL_RPS = 300.0
 GOAL_P99_S = 0.100
+PACE_KEPT = 0.97  # the paced phase must deliver this share of the goal's rate to count
 _TIMEOUT = aiohttp.ClientTimeout(total=30)
 SPEC = {
     "architecture": "ddp",
@@ -42,29 +47,63 @@ def _port() -> int:
         return port
 
 
-async def _client(
+async def _closed_loop(
     base: str, until: float, warm_until: float, lat: dict[str, list[float]], errors: list[str]
 ) -> None:
+    """As fast as the server answers: each client sends its next request when the last returns."""
     # aiohttp, one keep-alive connection per client: it needs about a quarter of httpx's CPU per
     # request, and every cycle the load generator spends is one the server does not get here.
     conn = aiohttp.TCPConnector(limit=1)
     async with aiohttp.ClientSession(base, connector=conn, timeout=_TIMEOUT) as c:
         while time.perf_counter() < until:
             t0 = time.perf_counter()
-            async with c.post("/v1/experiments", json=SPEC) as r:
-                body = await r.json()
-            t1 = time.perf_counter()
-            if r.status != 201:
-                errors.append(f"POST {r.status}")
-                continue
-            async with c.get(f"/v1/experiments/{body['id']}") as g:
-                await g.read()
-            t2 = time.perf_counter()
-            if g.status != 200:
-                errors.append(f"GET {g.status}")
-            if t0 >= warm_until:
-                lat["POST"].append(t1 - t0)
-                lat["GET"].append(t2 - t1)
+            await _pair(c, t0, t0 >= warm_until, lat, errors)
+
+
+async def _paced(
+    base: str,
+    period: float,
+    offset: float,
+    until: float,
+    warm_until: float,
+    lat: dict[str, list[float]],
+    errors: list[str],
+) -> None:
+    """One POST+GET every `period` s on a fixed schedule. A request's latency counts from when
+    it was due, not when it was sent: a client that fell behind does not hide the server's
+    stall (no coordinated omission)."""
+    conn = aiohttp.TCPConnector(limit=1)
+    async with aiohttp.ClientSession(base, connector=conn, timeout=_TIMEOUT) as c:
+        due = time.perf_counter() + offset
+        while due < until:
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await _pair(c, due, due >= warm_until, lat, errors)
+            due += period
+
+
+async def _pair(
+    c: aiohttp.ClientSession,
+    t0: float,
+    keep: bool,
+    lat: dict[str, list[float]],
+    errors: list[str],
+) -> None:
+    async with c.post("/v1/experiments", json=SPEC) as r:
+        body = await r.json()
+    t1 = time.perf_counter()
+    if r.status != 201:
+        errors.append(f"POST {r.status}")
+        return
+    async with c.get(f"/v1/experiments/{body['id']}") as g:
+        await g.read()
+    t2 = time.perf_counter()
+    if g.status != 200:
+        errors.append(f"GET {g.status}")
+    if keep:
+        lat["POST"].append(t1 - t0)
+        lat["GET"].append(t2 - t1)
 
 
 def _p(values: list[float], q: int) -> float | None:
@@ -90,26 +129,15 @@ def goal_api_load(tmp: Path, quick: bool) -> dict[str, Any]:
     try:
         deadline = time.monotonic() + 120
         while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                r = httpx.get(f"{base}/healthz", timeout=2)
+                if r.status_code == 200 and r.json().get("database") == "ok":
                     break
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError(f"serve did not come up: {(cwd / 'serve.log').read_text()}")
             time.sleep(0.2)
-        lat: dict[str, list[float]] = {"POST": [], "GET": []}
-        errors: list[str] = []
-        cpu0 = time.process_time()
-        t0 = time.perf_counter()
-        warm_until, until = t0 + warmup, t0 + warmup + duration
-
-        async def main() -> None:
-            await asyncio.gather(
-                *(_client(base, until, warm_until, lat, errors) for _ in range(CLIENTS))
-            )
-
-        asyncio.run(main())
-        elapsed = time.perf_counter() - warm_until
-        client_cpu = time.process_time() - cpu0
+        saturated = _phase(base, duration, warmup, paced=False)
+        at_goal = _phase(base, duration, warmup, paced=True)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -119,26 +147,67 @@ def goal_api_load(tmp: Path, quick: bool) -> dict[str, Any]:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
         log.close()
-    every = lat["POST"] + lat["GET"]
-    rps = len(every) / elapsed
-    p99 = _p(every, 99)
+    met = (
+        saturated["requests_per_s"] >= GOAL_RPS
+        and at_goal["requests_per_s"] >= PACE_KEPT * GOAL_RPS
+        and at_goal["p99_s"] is not None
+        and at_goal["p99_s"] <= GOAL_P99_S
+        and not saturated["errors"]
+        and not at_goal["errors"]
+    )
     return {
-        "goal": f">= {GOAL_RPS:.0f} requests/s and p99 <= {GOAL_P99_S * 1e3:.0f} ms with "
-        f"{CLIENTS} clients (POST + GET /v1/experiments, SQLite, dispatchers idle)",
-        "met": bool(rps >= GOAL_RPS and p99 is not None and p99 <= GOAL_P99_S and not errors),
-        "status": "met"
-        if rps >= GOAL_RPS and p99 is not None and p99 <= GOAL_P99_S and not errors
-        else "not met",
+        "goal": f">= {GOAL_RPS:.0f} requests/s sustained, and p99 <= {GOAL_P99_S * 1e3:.0f} ms "
+        f"at {GOAL_RPS:.0f} requests/s, {CLIENTS} clients (POST + GET /v1/experiments, SQLite, "
+        "dispatchers idle)",
+        "met": met,
+        "status": "met" if met else "not met",
         "clients": CLIENTS,
+        # the most the server sustains: clients send back to back (latency there is queueing:
+        # 50 requests in flight / throughput)
+        "requests_per_s": saturated["requests_per_s"],
+        "saturated": saturated,
+        # the latency users see at the goal's rate, the schedule kept by the clients
+        "p99_s": at_goal["p99_s"],
+        "p50_s": at_goal["p50_s"],
+        "at_goal_rate": at_goal,
+        "errors": saturated["errors"] + at_goal["errors"],
+    }
+
+
+def _phase(base: str, duration: float, warmup: float, *, paced: bool) -> dict[str, Any]:
+    lat: dict[str, list[float]] = {"POST": [], "GET": []}
+    errors: list[str] = []
+    cpu0 = time.process_time()
+    t0 = time.perf_counter()
+    warm_until, until = t0 + warmup, t0 + warmup + duration
+    period = 2 * CLIENTS / GOAL_RPS  # each client's POST+GET pair, every `period` s
+
+    async def main() -> None:
+        if paced:
+            clients = [
+                _paced(base, period, period * i / CLIENTS, until, warm_until, lat, errors)
+                for i in range(CLIENTS)
+            ]
+        else:
+            clients = [_closed_loop(base, until, warm_until, lat, errors) for _ in range(CLIENTS)]
+        await asyncio.gather(*clients)
+
+    asyncio.run(main())
+    elapsed = time.perf_counter() - warm_until
+    every = lat["POST"] + lat["GET"]
+    return {
+        "load": f"{GOAL_RPS:.0f} requests/s on a fixed schedule" if paced else "back to back",
         "seconds": elapsed,
         "requests": len(every),
-        "requests_per_s": rps,
+        "requests_per_s": len(every) / elapsed,
         "p50_s": _p(every, 50),
-        "p99_s": p99,
+        "p99_s": _p(every, 99),
         "by_endpoint": {
             k: {"n": len(v), "p50_s": _p(v, 50), "p99_s": _p(v, 99)} for k, v in lat.items()
         },
         "errors": len(errors),
         "error_sample": errors[:5],
-        "client_cpu_share": client_cpu / (time.perf_counter() - t0) / (os.cpu_count() or 1),
+        "client_cpu_share": (time.process_time() - cpu0)
+        / (time.perf_counter() - t0)
+        / (os.cpu_count() or 1),
     }

@@ -635,11 +635,13 @@ def mechanism_lines(g: dict[str, Any], line: Callable[[str, str], None]) -> list
         )
     if "api_load" in g:
         m = g["api_load"]
+        sat = m.get("saturated", {})
         line(
             "api_load",
-            f"{m.get('requests_per_s', 0):.0f} req/s, p99 {_ms(m.get('p99_s'))}, p50 "
-            f"{_ms(m.get('p50_s'))}, {m.get('errors')} errors, {m.get('clients')} clients "
-            f"(goal >= 300 req/s, p99 <= 100 ms)",
+            f"{m.get('clients')} clients: at most {m.get('requests_per_s', 0):.0f} req/s (p99 "
+            f"{_ms(sat.get('p99_s'))} back to back); at 300 req/s p99 {_ms(m.get('p99_s'))}, "
+            f"p50 {_ms(m.get('p50_s'))}; {m.get('errors')} errors "
+            f"(goal >= 300 req/s, p99 <= 100 ms at 300 req/s)",
         )
     if "paper_matrix" in g:
         m = g["paper_matrix"]
@@ -771,7 +773,7 @@ def run_bench(cfg: BenchConfig, tmp: Path, only: set[str] | None = None) -> dict
         ),
         (
             "api_load",
-            "POST+GET /v1/experiments, 50 clients: >= 300 req/s, p99 <= 100 ms",
+            "POST+GET /v1/experiments, 50 clients: >= 300 req/s, p99 <= 100 ms at 300 req/s",
             False,
             lambda env: goal_api_load(tmp, cfg.quick),
         ),

@@ -103,7 +103,8 @@ def serve(*, host: str, port: int, cfg: Dispatching) -> int:
     started = False
     db = None
     try:
-        db = Database(cfg.db_url)  # migrates on start
+        # migrates on start; a connection for each request thread and each dispatcher
+        db = Database(cfg.db_url, pool_size=settings.threads + cfg.n)
         started = runtime.connect(cfg.ray_address) if cfg.n else False
         app = create_app(settings, db)
         config = uvicorn.Config(app, log_level="info", access_log=False)

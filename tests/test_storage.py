@@ -351,3 +351,37 @@ def test_resolve_db_url(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_db_url("postgresql://h/x") == "postgresql+psycopg://h/x"
     assert resolve_db_url("postgresql+psycopg://h/x") == "postgresql+psycopg://h/x"
     assert resolve_db_url("sqlite:///a.db") == "sqlite:///a.db"
+
+
+def _connections_opened(db_url: str, pool_size: int, threads: int = 16, rounds: int = 5) -> int:
+    """`threads` threads that each hold a connection at the same moment, then all let go:
+    `rounds` bursts."""
+    import threading
+
+    from sqlalchemy import event, text
+
+    with Database(db_url, pool_size=pool_size) as db:
+        opened: list[int] = []
+        event.listen(db.engine, "connect", lambda conn, rec: opened.append(1))
+        barrier = threading.Barrier(threads)
+
+        def work() -> None:
+            for _ in range(rounds):
+                with db.session() as s:
+                    s.execute(text("SELECT 1"))
+                    barrier.wait(timeout=30)  # every thread holds a connection now
+                barrier.wait(timeout=30)  # and every one is idle now (a lull between bursts)
+
+        workers = [threading.Thread(target=work) for _ in range(threads)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+        return len(opened)
+
+
+def test_the_pool_keeps_as_many_connections_as_threads_use_it(db_url: str) -> None:
+    """A pool sized for the threads opens each connection once; an undersized one (SQLAlchemy
+    lets 10 more overflow) opens, sets up and closes the surplus again in every round."""
+    assert _connections_opened(db_url, pool_size=16) <= 16
+    assert _connections_opened(db_url, pool_size=6) > 16

@@ -38,9 +38,9 @@ _SQLITE_PRAGMAS = (
 _DRIVER_PREFIXES = re.compile(
     r"^(?:connection (?:failed|is bad): |connection to server .*? failed: |FATAL: +)+"
 )
-# Connections kept open per process (opened only when needed). SQLAlchemy's default of 5 is
-# under the API's 8 request threads: the rest would open and close a connection per request.
-_POOL_SIZE = 10
+# Connections kept open per process (opened only when needed) unless the caller says how many
+# threads use it: below that, the rest would open (and set up) a connection per request.
+DEFAULT_POOL_SIZE = 10
 # Any constant: serializes concurrent `migrate` calls (several workers starting at once).
 _PG_MIGRATION_LOCK = 0x46424D47
 
@@ -73,8 +73,9 @@ def mask_url(url: str) -> str:
         return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
 
 
-def make_engine(url: str) -> Engine:
-    """An engine for `url`, without connecting yet; raises DatabaseError for a bad URL."""
+def make_engine(url: str, pool_size: int = DEFAULT_POOL_SIZE) -> Engine:
+    """An engine for `url`, without connecting yet; raises DatabaseError for a bad URL.
+    `pool_size`: connections kept open, one per thread that uses the database at once."""
     url = _normalize(url)
     try:
         sa_url = make_url(url)
@@ -85,10 +86,10 @@ def make_engine(url: str) -> Engine:
         ) from exc
     try:
         if sa_url.get_backend_name() == "sqlite":
-            return _sqlite_engine(url)
+            return _sqlite_engine(url, pool_size)
         connect_args = {} if "connect_timeout" in sa_url.query else {"connect_timeout": 10}
         return create_engine(
-            url, pool_pre_ping=True, pool_size=_POOL_SIZE, connect_args=connect_args
+            url, pool_pre_ping=True, pool_size=pool_size, connect_args=connect_args
         )
     except NoSuchModuleError as exc:
         raise DatabaseError(
@@ -102,10 +103,10 @@ def make_engine(url: str) -> Engine:
         ) from exc
 
 
-def _sqlite_engine(url: str) -> Engine:
+def _sqlite_engine(url: str, pool_size: int) -> Engine:
     engine = create_engine(
         url,
-        pool_size=_POOL_SIZE,
+        pool_size=pool_size,
         connect_args={"check_same_thread": False, "timeout": 30},
     )
 
@@ -166,9 +167,11 @@ _migrate = migrate  # `Database.__init__` has a parameter of that name
 class Database:
     """An engine and a session factory for one database URL, migrated on open by default."""
 
-    def __init__(self, url: str | None = None, *, migrate: bool = True) -> None:
+    def __init__(
+        self, url: str | None = None, *, migrate: bool = True, pool_size: int = DEFAULT_POOL_SIZE
+    ) -> None:
         self.url = resolve_db_url(url)
-        self.engine = make_engine(self.url)
+        self.engine = make_engine(self.url, pool_size)
         try:
             if migrate:
                 _migrate(self.engine)
