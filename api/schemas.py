@@ -32,19 +32,24 @@ class ExperimentSummary(BaseModel):
 
     @classmethod
     def of(cls, e: Experiment) -> ExperimentSummary:
-        return cls(
-            id=e.id,
-            name=e.name,
-            status=e.status,
-            architecture=e.architecture,
-            mechanism=e.mechanism,
-            sweep_id=e.sweep_id,
-            created_at=e.created_at,
-            updated_at=e.updated_at,
-            attempts=e.attempts,
-            cancel_requested=e.cancel_requested,
-            error=e.error,
-        )
+        return cls(**summary_fields(e))
+
+
+def summary_fields(e: Experiment) -> dict[str, Any]:
+    """A row's fields that a summary shows (and a detail starts with)."""
+    return {
+        "id": e.id,
+        "name": e.name,
+        "status": e.status,
+        "architecture": e.architecture,
+        "mechanism": e.mechanism,
+        "sweep_id": e.sweep_id,
+        "created_at": e.created_at,
+        "updated_at": e.updated_at,
+        "attempts": e.attempts,
+        "cancel_requested": e.cancel_requested,
+        "error": e.error,
+    }
 
 
 class ExperimentPage(BaseModel):
