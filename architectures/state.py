@@ -64,8 +64,15 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
 
 
 def _like(param: torch.Tensor, value: Any) -> Any:
-    """A saved local tensor as a DTensor shaped like `param`, where `param` is one."""
-    if _is_dtensor(param) and isinstance(value, torch.Tensor):
+    """A saved local tensor as the optimizer's own copy, a DTensor shaped like `param` where
+    `param` is one. Always a copy: `Optimizer.load_state_dict` keeps the tensors it is given
+    when dtype and device fit, and Adam then updates them in place, which would rewrite the
+    snapshot or the replica they came from (one object-store copy shared by every rank that
+    restored from it, so two replacements would each apply every update to the same moments)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value.clone()
+    if _is_dtensor(param):
         from torch.distributed.tensor import DTensor  # loaded already: param is one
 
         if value.shape != param.to_local().shape:

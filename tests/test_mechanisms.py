@@ -419,6 +419,30 @@ def test_the_matrix_covers_every_mechanism_on_ddp_and_hybrid() -> None:
 
 
 @pytest.mark.usefixtures("no_leaks")
+def test_two_replacements_restoring_one_holder_copy_match_the_baseline(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """Ranks 1 and 2 die; both replacements load shard 0 from the same object-store copy
+    (zero-copy) while ranks 0 and 3 roll back to their own snapshots. The restored optimizer
+    used to keep the shared buffer as its moments, so each replacement applied every Adam
+    update to the same memory and the ranks drifted apart (the paper matrix's
+    ddp/inmem_replica/concurrent cell). The state must be over Ray's 100 KB inline limit to
+    live in shared memory: smaller objects reach each reader as a copy of its own."""
+    big = {"kind": "mlp", "input_dim": 16, "hidden_dim": 64, "depth": 4}  # ~175 KB with Adam
+    trace = {"kind": "concurrent", "ranks": [1, 2], "at_step": 12}
+    spec = cell_spec("ddp", "inmem_replica", trace, model=big)
+    spec["mechanism"]["params"] = {"interval": 5}
+    result = run_cell(spec, sqlite_url, tmp_path)
+    trial = result.trials[0]
+    assert trial.status == "completed", trial.error
+    (f,) = trial.failures
+    assert f.restore_source.startswith("replica"), f.restore_source
+    assert f.restored_from_step == 10
+    baseline = run_cell(cell_spec("ddp", "none", {"kind": "none"}, model=big), sqlite_url, tmp_path)
+    assert trial.params_digest == baseline.trials[0].params_digest
+
+
+@pytest.mark.usefixtures("no_leaks")
 def test_inmem_replica_falls_back_to_disk_when_a_rank_and_its_holder_die_together(
     sqlite_url: str, tmp_path: Path
 ) -> None:
