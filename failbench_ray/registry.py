@@ -7,6 +7,7 @@ name lists the valid ones.
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Generic, TypeVar
 
@@ -23,6 +24,9 @@ class Registry(Generic[T]):
         self.kind = kind
         self._items: dict[str, T] = {}
         self._modules: dict[str, str] = dict(modules or {})
+        # Several threads (a service's dispatchers) may use a name first at the same moment:
+        # none may see it half-loaded. Re-entrant: a module may use the registry as it loads.
+        self._loading = threading.RLock()
 
     def register(self, name: str) -> Callable[[T], T]:
         def add(item: T) -> T:
@@ -34,9 +38,14 @@ class Registry(Generic[T]):
         return add
 
     def _load(self, name: str) -> None:
-        module = self._modules.pop(name, None)
-        if module is not None:
+        if name not in self._modules:
+            return
+        with self._loading:
+            module = self._modules.get(name)
+            if module is None:  # another thread loaded it meanwhile
+                return
             importlib.import_module(module)
+            del self._modules[name]  # only now: until here, other threads wait above
             if name not in self._items:
                 raise ValueError(f"module {module} did not register {self.kind} {name!r}")
 
