@@ -345,6 +345,12 @@ def goal_paper_matrix(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
     cells = report["cells"] if report else []
     mismatched = [c["key"] for c in cells if c.get("matches_baseline") is False]
     shared = sum(1 for c in cells if c.get("baseline_from"))
+    kept = None
+    if (rc != 0 or mismatched or counts.get("failed")) and (out / "matrix.db").exists():
+        # The temporary directory goes when the bench ends: keep the database to look into
+        # (`failbench show ID --db sqlite:///bench/paper_matrix.db`).
+        kept = REPO / "bench" / "paper_matrix.db"
+        shutil.copyfile(out / "matrix.db", kept)
     return _status(
         {
             "goal": goal,
@@ -354,6 +360,7 @@ def goal_paper_matrix(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
             "cells_by_status": counts,
             "cells_not_matching_baseline": mismatched,
             "cells_sharing_a_baseline": shared,
+            "database_kept": str(kept) if kept else None,
             "output_tail": "" if report else output[-3000:],
         }
     )
