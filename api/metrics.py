@@ -61,3 +61,19 @@ class Metrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
         )
         self.registry.register(_QueueCollector(db))
+
+
+def exported_names() -> set[str]:
+    """Every series name the service's metrics appear under in Prometheus (a histogram as its
+    _bucket, _count and _sum series). `tests/test_deploy.py` checks the dashboards' queries
+    against it, and it against what `Metrics` exposes."""
+    latency = "failbench_http_request_duration_seconds"
+    return {
+        f"{latency}_bucket",
+        f"{latency}_count",
+        f"{latency}_sum",
+        "failbench_queue_depth",
+        "failbench_experiments",
+        "failbench_dispatcher_heartbeat_age_seconds",
+        "failbench_dispatcher_busy",
+    }
