@@ -37,6 +37,7 @@ from failbench_ray import sweep as sw
 from failbench_ray.checks import resolve
 from failbench_ray.errors import SpecError
 from failbench_ray.models import param_count
+from failbench_ray.recommend import Question, recommend, stored_results
 from failbench_ray.spec import ExperimentSpec
 from failbench_ray.storage import repo
 from failbench_ray.storage.db import Database, DatabaseError
@@ -502,6 +503,16 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
         return schemas.SweepOut(
             sweep_id=row.id, name=row.name, status=overall, progress=progress, cells=cells
         )
+
+    # -- the rest --------------------------------------------------------------------------
+    @app.get("/v1/recommend", dependencies=reader)
+    def recommend_mechanisms(question: Annotated[Question, Query()]) -> dict[str, Any]:
+        """The applicable mechanisms ranked by expected useful / wall time, with why (the
+        same answer as `failbench recommend --json`), from the costs this database measured."""
+        try:
+            return recommend(question, stored_results(db, limit=500))
+        except SpecError as err:
+            raise _unprocessable(["query"], str(err)) from None
 
     # -- the rest --------------------------------------------------------------------------
     @app.get("/v1/registry", dependencies=reader)

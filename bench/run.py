@@ -40,6 +40,8 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from bench.api import goal_api_load
+from bench.monitoring import goal_metrics_overhead
+from bench.peers import goal_dcp_peer, goal_ray_train
 from bench.procs import ForeignCpu, wait_for_no_children
 
 if TYPE_CHECKING:
@@ -518,7 +520,10 @@ def _ms(v: Any) -> str:
     return "-" if v is None else f"{v * 1e3:.1f} ms"
 
 
-SHORT = {"hot_spare_recovery": "hot_spare_recov"}  # labels that fit the summary's column
+SHORT = {
+    "hot_spare_recovery": "hot_spare_recov",
+    "metrics_overhead": "metrics_overhd",
+}  # labels that fit the summary's column
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:
@@ -632,6 +637,33 @@ def mechanism_lines(g: dict[str, Any], line: Callable[[str, str], None]) -> list
             "hot_spare_recovery",
             f"resumed {_ms(r.get('hot_spare'))} vs disk_ckpt {_ms(r.get('disk_ckpt'))} = "
             f"{m.get('ratio', 0):.2f}x (goal <= 0.3x)",
+        )
+    if "ray_train_peer" in g:
+        m = g["ray_train_peer"]
+        ours = m.get("ours_median_recovery_s", {})
+        line(
+            "ray_train_peer",
+            f"ours best {m.get('best')} {_ms(ours.get(m.get('best', ''), 0))} vs Ray Train "
+            f"{_ms(m.get('ray_train_median_recovery_s'))} = {m.get('ratio', 0):.3f}x "
+            f"(goal <= 0.15x)",
+        )
+    if "dcp_peer" in g:
+        m = g["dcp_peer"]
+        b, d = m.get("median_blocked_s", {}), m.get("median_durable_s", {})
+        line(
+            "dcp_peer",
+            "blocked/durable: "
+            + ", ".join(f"{k} {_ms(b.get(k))}/{_ms(d.get(k))}" for k in b)
+            + " (goal async_ckpt blocks <= dcp.async_save, disk_ckpt durable <= dcp.save)",
+        )
+    if "metrics_overhead" in g:
+        m = g["metrics_overhead"]
+        md = m.get("median_mean_step_s", {})
+        line(
+            "metrics_overhead",
+            f"step {_ms(md.get('on'))} on vs {_ms(md.get('off'))} off = {m.get('ratio', 0):.3f}x; "
+            f"recording {1e6 * m.get('record_s_per_step', 0):.0f} us/step "
+            f"({100 * m.get('record_share_of_step', 0):.2f}% of a step) (goal <= 1.02x)",
         )
     if "api_load" in g:
         m = g["api_load"]
@@ -754,10 +786,28 @@ def run_bench(cfg: BenchConfig, tmp: Path, only: set[str] | None = None) -> dict
             lambda env: mech.goal_hot_spare_recovery(env, cfg),
         ),
         (
+            "metrics_overhead",
+            "step time with live metrics on <= 1.02x off",
+            True,
+            lambda env: goal_metrics_overhead(env, cfg),
+        ),
+        (
+            "ray_train_peer",
+            "our best recovery <= 0.15x Ray Train's (TorchTrainer + FailureConfig)",
+            True,
+            lambda env: goal_ray_train(env, cfg),
+        ),
+        (
             "disk_write",
             "disk_ckpt write >= 0.8x raw write+fsync and <= dcp.save",
             False,
             lambda env: mech.goal_disk_write(tmp, cfg),
+        ),
+        (
+            "dcp_peer",
+            "async_ckpt blocks <= dcp.async_save; disk_ckpt durable <= dcp.save",
+            False,
+            lambda env: goal_dcp_peer(tmp, cfg),
         ),
         (
             "harness_overhead",

@@ -66,6 +66,12 @@ def _applies(example: ExperimentSpec, mechanism: str) -> str | None:
     return None
 
 
+def applicability(architecture: str) -> dict[str, str | None]:
+    """mechanism -> None where it applies to `architecture` (its example spec), else why not."""
+    example = _example(architecture)
+    return {mech: _applies(example, mech) for mech in mechanism_names()}
+
+
 def matrix() -> list[dict[str, Any]]:
     """Architecture x mechanism applicability, on each architecture's example spec (its
     `examples/<arch>.yaml`) with the mechanism swapped in and a single failure."""
@@ -83,3 +89,14 @@ def matrix() -> list[dict[str, Any]]:
                 }
             )
     return rows
+
+
+def shards(architecture: str, world: int) -> int:
+    """Distinct pieces the training state is split into on `world` ranks (each rank holds one),
+    from the architecture's example: 1 where every rank holds all of it (ddp, gossip, ps
+    workers), else in proportion to the world size (fsdp, tensor, pipeline stages, hybrid)."""
+    example = _example(architecture)
+    n = len(resolve(example).arch.layout().shard_ids())
+    if n <= 1:
+        return 1
+    return max(1, round(n / example.world_size * world))

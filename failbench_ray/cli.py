@@ -61,16 +61,57 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
     serve.add_argument("--dispatchers", type=int, default=1, help="experiments run at once")
     serve.add_argument("--out", type=Path, default=Path("runs"), help="directory for run files")
+    serve.add_argument(
+        "--prometheus-sd",
+        type=Path,
+        help="keep this file listing the Ray nodes' metrics endpoints (Prometheus file_sd)",
+    )
     serve.add_argument("--lease-s", type=float, default=30.0, help="queue lease, seconds")
     serve.add_argument("--max-attempts", type=int, default=3, help="runs before giving up")
+    serve.add_argument(
+        "--dashboard",
+        action="store_true",
+        help="the local Ray cluster runs Ray's dashboard on loopback (token auth stays on)",
+    )
+    serve.add_argument("--dashboard-port", type=int, default=8265, help="Ray dashboard's port")
 
     disp = sub.add_parser("dispatch", help="dispatchers only: run what the queue holds")
     disp.add_argument("--db", help=db_help)
     disp.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
     disp.add_argument("-n", "--dispatchers", type=int, default=1, help="experiments run at once")
     disp.add_argument("--out", type=Path, default=Path("runs"), help="directory for run files")
+    disp.add_argument(
+        "--prometheus-sd",
+        type=Path,
+        help="keep this file listing the Ray nodes' metrics endpoints (Prometheus file_sd)",
+    )
     disp.add_argument("--lease-s", type=float, default=30.0, help="queue lease, seconds")
     disp.add_argument("--max-attempts", type=int, default=3, help="runs before giving up")
+
+    rep = sub.add_parser("report", help="a sweep's results as report.md, report.html and PNGs")
+    rep.add_argument("--db", help=db_help)
+    rep.add_argument("--sweep", help="the sweep's id (default: the newest sweep)")
+    rep.add_argument("--out", type=Path, required=True, help="directory to write into")
+
+    rec = sub.add_parser(
+        "recommend", help="rank the mechanisms for a job by expected useful / wall time"
+    )
+    rec.add_argument("--architecture", required=True, help="e.g. ddp, fsdp (`failbench list`)")
+    rec.add_argument("--state-gb", type=float, required=True, help="model + optimizer state, GB")
+    rec.add_argument("--world", type=int, required=True, help="workers (ranks)")
+    rates = rec.add_mutually_exclusive_group(required=True)
+    rates.add_argument("--mtbf-hours", type=float, help="one worker's mean time between failures")
+    rates.add_argument("--preset", help="published failure statistics: llama3, kokolis-1k, ...")
+    rec.add_argument("--step-s", type=float, default=1.0, help="time of one training step, s")
+    rec.add_argument("--job-days", type=float, default=30.0, help="failure-free job length")
+    rec.add_argument(
+        "--correlated",
+        type=float,
+        default=0.01,
+        help="share of failures that also take the copies on other nodes (0..1)",
+    )
+    rec.add_argument("--db", help=db_help + "; measured costs are read from it when present")
+    rec.add_argument("--json", action="store_true")
 
     ls = sub.add_parser("list", help="list architectures, mechanisms, traces and kill kinds")
     ls.add_argument("--json", action="store_true")
@@ -97,6 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _show(args)
         if args.command in ("serve", "dispatch"):
             return _service(args)
+        if args.command == "recommend":
+            return _recommend(args)
+        if args.command == "report":
+            return _write_report(args)
         return _list(args)
     except (SpecError, DatabaseError, ExperimentNotFound) as e:
         print(f"error: {e}", file=sys.stderr)  # one line, never wrapped
@@ -120,6 +165,9 @@ def _service(args: argparse.Namespace) -> int:
         out_dir=args.out,
         lease_s=args.lease_s,
         max_attempts=args.max_attempts,
+        dashboard=getattr(args, "dashboard", False),
+        dashboard_port=getattr(args, "dashboard_port", 8265),
+        prometheus_sd=args.prometheus_sd,
     )
     if args.command == "serve":
         return service.serve(host=args.host, port=args.port, cfg=cfg)
@@ -377,6 +425,79 @@ def _print_tables(r: dict[str, Any]) -> None:
 
 
 _PHASE_COLUMNS = ("detected", "quiesced", "reformed", "restored", "resumed", "caught_up")
+
+
+def _write_report(args: argparse.Namespace) -> int:
+    from failbench_ray import report
+    from failbench_ray.storage.db import Database
+
+    db = Database(args.db)
+    try:
+        done = report.write(db, args.out, args.sweep)
+    finally:
+        db.dispose()
+    out.print(
+        f"wrote {args.out / 'report.md'}, report.html and {len(done['figures'])} figures: "
+        f"{len(done['cells'])} cells, {len(done['skipped'])} not applicable"
+    )
+    for line in done["findings"]:
+        out.print(f"- {line}")
+    return 0
+
+
+def _recommend(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from failbench_ray.recommend import Question, recommend, stored_results
+    from failbench_ray.spec import _format_validation_error
+    from failbench_ray.storage.db import Database
+
+    try:
+        q = Question(
+            architecture=args.architecture,
+            state_gb=args.state_gb,
+            world=args.world,
+            mtbf_hours=args.mtbf_hours,
+            preset=args.preset,
+            step_s=args.step_s,
+            job_days=args.job_days,
+            correlated=args.correlated,
+        )
+    except ValidationError as e:
+        raise _usage(
+            _format_validation_error(e).replace("invalid spec", "invalid question")
+        ) from None
+    db = Database(args.db)
+    try:
+        answer = recommend(q, stored_results(db))
+    finally:
+        db.dispose()
+    if args.json:
+        print(json.dumps(answer, indent=2))
+        return 0
+    out.print(
+        f"{q.architecture} on {q.world} workers, {answer['state_gb_per_rank']:.3g} GB of state "
+        f"per rank; job MTBF {answer['job_mtbf_hours']:.3g} h "
+        f"({answer['failures_expected']:.0f} failures in {q.job_days:g} days)"
+    )
+    if answer["preset"]:
+        out.print(f"failure rate: {answer['preset']}")
+    for i, r in enumerate(answer["ranking"], 1):
+        sim = r["simulated"]
+        checked = f" (simulated {100 * sim['ratio']:.1f}%)" if sim else ""
+        out.print(f"{i}. {r['mechanism']:<14} {r['why']}{checked}")
+    for r in answer["not_applicable"]:
+        out.print(f"-  {r['mechanism']:<14} not applicable: {r['reason']}")
+    measured = {k: v["source"] for k, v in answer["costs"].items() if v["source"] != "default"}
+    out.print(
+        "costs: "
+        + (
+            "; ".join(f"{k} {v}" for k, v in measured.items())
+            if measured
+            else "defaults (no measured runs in the database; `failbench sweep` measures them)"
+        )
+    )
+    return 0
 
 
 def _list(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,17 +26,21 @@ from typing import Any
 import ray
 import torch.distributed as dist
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from failbench_ray import results
 from failbench_ray.checks import Resolved
 from failbench_ray.errors import RecoveryError, TrialInterrupted
 from failbench_ray.records import CheckpointEvent, FailureRecord, StepRecord
 from failbench_ray.recovery import decide
+from failbench_ray.telemetry import LIVE_PHASES, WORLD_SIZE, Recorder
 from failbench_ray.worker import JoinInfo, RunReport, read_record_log
 from failbench_ray.worker_group import Placement, WorkerGroup
 from injector.chaos import ChaosActor
 from mechanisms.base import FailureContext, RecoveryPlan, RestoreInstruction
 from mechanisms.replication import ReplicaHolderActor
+
+log = logging.getLogger("failbench.controller")
 
 _POLL_S = 0.5
 _PROBE_S = 10.0  # how long a live rank gets to answer a liveness probe
@@ -62,6 +67,7 @@ class TrialOutcome:
     members: list[int] = field(default_factory=list)  # ranks still training at the end
     replica_spread: float | None = None  # for architectures where every rank is a replica
     arch_metrics: dict[str, float] = field(default_factory=dict)  # mean over the ranks
+    rank_nodes: dict[int, str] = field(default_factory=dict)  # Ray node of each rank at start
     error: str | None = None
 
 
@@ -113,6 +119,7 @@ class TrialController:
         store_host: str = "127.0.0.1",
         on_progress: Callable[[int], None] = lambda step: None,
         should_stop: Callable[[], str | None] = lambda: None,
+        tags: dict[str, str] | None = None,
     ) -> None:
         self.should_stop = should_stop  # a reason to stop (a cancel), checked between states
         self.spec = resolved.spec
@@ -123,6 +130,8 @@ class TrialController:
         self.run_dir = run_dir
         self.placement = placement
         self.label = label
+        self.tags = dict(tags or {})
+        self.metrics = Recorder(self.tags, enabled=self.spec.metrics)
         self.events = list(self.spec.failures.events) if inject else []
         self.store_host = store_host
         self.on_progress = on_progress
@@ -145,7 +154,7 @@ class TrialController:
         self.chaos: Any = None
         self.group: WorkerGroup | None = None
         self.holders: dict[str, Any] = {}  # replica holders and ready hot spares, by name
-        self.spare_pids: dict[str, int] = {}
+        self.spare_info: dict[str, dict[str, Any]] = {}  # what each ready spare's ready() said
         self.starting_spares: dict[str, tuple[Any, Any]] = {}  # name -> (handle, ready ref)
         self.spares_made = 0
         self.adopted: dict[str, Any] = {}  # spares that took a rank, by their spare name
@@ -193,12 +202,21 @@ class TrialController:
     # -- states ----------------------------------------------------------------------------
     def _starting(self) -> State:
         self.store = dist.TCPStore(self.store_host, 0, is_master=True, wait_for_workers=False)
-        self.chaos = ChaosActor.remote([e.model_dump() for e in self.events])  # type: ignore[attr-defined]
-        self.group = WorkerGroup(self.spec, self.run_dir, self.chaos, self.placement, self.label)
+        # On the driver's node: a node kill must not take the injector down with its victims.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        self.chaos = ChaosActor.options(  # type: ignore[attr-defined]
+            name=f"{self.label}-chaos", scheduling_strategy=here
+        ).remote([e.model_dump() for e in self.events])
+        self.group = WorkerGroup(
+            self.spec, self.run_dir, self.chaos, self.placement, self.label, self.tags
+        )
+        self.group.reserve()
         self._start_holders()
         self.group.start(list(range(self.spec.world_size)))
         self._spares_ready(wait=True)
-        ray.get(self.chaos.set_targets.remote(self.group.targets()))
+        self._set_targets()
+        self.outcome.rank_nodes = dict(self.group.nodes)
+        log.info("%s: %d ranks started", self.label, self.spec.world_size)
         got = self._join_all()
         if not got.dead and not got.errors:
             got = self._on_all(lambda h: h.restore.remote(RestoreInstruction("scratch", 0)))
@@ -208,6 +226,7 @@ class TrialController:
             rank, err = next(iter(got.errors.items()))
             raise RecoveryError(f"rank {rank} could not start: {err}")
         ray.get(self.chaos.start.remote())
+        self.metrics.set(WORLD_SIZE, len(self.members))
         return State.TRAINING
 
     def _training(self) -> State:
@@ -295,7 +314,7 @@ class TrialController:
         for r, name in plan.spares.items():  # hot spares take their ranks at once
             handle = self.holders.pop(name)
             self.adopted[name] = handle  # still a donor of its mirror in this restore
-            self.group.adopt(r, handle, self.spare_pids.pop(name))
+            self.group.adopt(r, handle, self.spare_info.pop(name))
             self._start_spare()  # a new spare comes up in the background
         self.group.start([r for r in plan.replace if r not in plan.spares])
         self.dead -= set(plan.replace)
@@ -306,7 +325,7 @@ class TrialController:
         if plan.grow:  # elastic: replacements start in the background; the group grows later
             self.growing.update(self.group.start_async(list(plan.grow)))
             self.grow_failures += self.open
-        ray.get(self.chaos.set_targets.remote(self.group.targets()))
+        self._set_targets()
         got = self._on_all(lambda h: h.ready.remote())
         if not got.dead:
             got = self._join_all()
@@ -315,6 +334,7 @@ class TrialController:
         if got.errors:  # a rendezvous timed out: try the whole re-formation again
             return State.REFORMING
         self._stamp("reformed", time.time())
+        log.info("%s: reformed with ranks %s (plan: %s)", self.label, self.members, plan.source)
         return State.RESTORING
 
     def _restoring(self) -> State:
@@ -332,8 +352,19 @@ class TrialController:
             f.restore_source = (
                 f"{self.plan.source}: {self.plan.note}" if self.plan.note else self.plan.source
             )
+        for f in self.open:
+            self.metrics.recovery(f.phases, LIVE_PHASES)  # the rest: when the trial ends
+            log.info(
+                "%s: failure %d restored from step %d (%s) in %.2f s",
+                self.label,
+                f.index,
+                self.plan.restore_step,
+                f.restore_source,
+                f.phases["restored"] or 0.0,
+            )
         self.open = []
         self.committed = self.plan.restore_step
+        self.metrics.set(WORLD_SIZE, len(self.members))
         self._phase_trigger("resuming")
         return State.TRAINING
 
@@ -368,6 +399,18 @@ class TrialController:
         self.open += new
         self._recover_records(dead - self.dead)
         self.dead |= dead
+        for f in new:
+            self.metrics.failure(f.kill_kind, len(f.ranks))
+            log.warning(
+                "%s: failure %d detected after %.2f s: rank(s) %s (%s, %s)",
+                self.label,
+                f.index,
+                f.phases["detected"],
+                f.ranks,
+                f.kill_kind,
+                f.trigger,
+            )
+        self.metrics.set(WORLD_SIZE, len(set(self.members) - self.dead))
         return State.QUIESCING
 
     def _recover_records(self, dead: set[int]) -> None:
@@ -508,7 +551,7 @@ class TrialController:
                 continue
             del self.starting_spares[name]
             try:
-                self.spare_pids[name] = ray.get(ref)["pid"]
+                self.spare_info[name] = ray.get(ref)
             except RayActorError:
                 continue
             self.holders[name] = handle
@@ -542,9 +585,11 @@ class TrialController:
         self.survivor_steps = steps
         grown = dict(self.growing)
         self.growing = {}
-        self.group.wait_started(grown)
+        died = self.group.wait_started(grown)
+        if died:
+            raise RecoveryError(f"rank(s) {died} died while coming back to grow the group")
         self.members = sorted(self.members + list(grown))
-        ray.get(self.chaos.set_targets.remote(self.group.targets()))
+        self._set_targets()
         got = self._join_all()
         if got.dead:
             return self._detected(got.dead)
@@ -559,10 +604,36 @@ class TrialController:
             f.phases["grown"] = t - f.t_injected
         self.grow_failures = []
         self.committed = self.plan.restore_step
+        self.metrics.set(WORLD_SIZE, len(self.members))
+        log.info("%s: grew back to ranks %s", self.label, self.members)
         return State.TRAINING
+
+    def _set_targets(self) -> None:
+        """Tell the chaos actor the current worker of each rank. A node kill must never take
+        the head node: the driver and the cluster's control plane live there."""
+        assert self.group is not None
+        targets = self.group.targets()
+        fired = set(ray.get(self.chaos.fired.remote()))
+        node_ranks = {
+            r
+            for i, e in enumerate(self.events)
+            if e.kill == "node" and i not in fired
+            for r in e.ranks
+        }
+        head = _head_node_id() if node_ranks else ""
+        on_head = sorted(r for r in node_ranks if targets[r][2] == head)
+        if on_head:
+            raise RecoveryError(
+                f"a node kill targets rank(s) {on_head}, which run on the Ray head node; node "
+                f"kills need ranks on worker nodes: start the head with num_cpus=0 (and no "
+                f"GPUs) so no rank is placed there, or name other ranks"
+            )
+        ray.get(self.chaos.set_targets.remote(targets))
 
     def _phase_trigger(self, phase: str) -> None:
         """Let the chaos actor fire a cascading failure as this recovery phase starts."""
+        if self.open:
+            log.info("%s: %s", self.label, phase)
         ray.get(self.chaos.on_phase.remote(phase, self.committed))
 
     def _stamp(self, phase: str, t: float) -> None:
@@ -677,3 +748,11 @@ class TrialController:
                 return "diverged"
             h.update(digests.pop().encode())
         return h.hexdigest()
+
+
+def _head_node_id() -> str:
+    """The Ray head node (it carries Ray's `node:__internal_head__` resource)."""
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
+            return str(node["NodeID"])
+    return ""

@@ -19,7 +19,7 @@ from typing import Any
 import ray
 from sqlalchemy.orm import Session
 
-from failbench_ray import results
+from failbench_ray import results, telemetry
 from failbench_ray.checks import Resolved, resolve
 from failbench_ray.controller import TrialController, TrialOutcome
 from failbench_ray.errors import LeaseLost, TrialInterrupted
@@ -193,6 +193,9 @@ class _Runner:
             run_dir=run_dir,
             placement=placement,
             label=f"fb-{self.exp_id[:8]}-{label}",
+            tags=telemetry.run_tags(
+                self.exp_id, label, spec.architecture.name, spec.mechanism.name
+            ),
             inject=inject,
             store_host=node_ip(),
             on_progress=lambda step: self.progress(label, step, spec.steps),
@@ -203,20 +206,39 @@ class _Runner:
         except (KeyboardInterrupt, TrialInterrupted) as err:
             if isinstance(err, TrialInterrupted):
                 controller.outcome.error = str(err)
-            self._save(trial_id, controller.outcome, resolved, kind, status="interrupted")
+            self._save(trial_id, controller.outcome, resolved, kind, label, status="interrupted")
             raise
-        summary = self._save(trial_id, outcome, resolved, kind, status=outcome.status)
+        summary = self._save(trial_id, outcome, resolved, kind, label, status=outcome.status)
         shutil.rmtree(run_dir / "records", ignore_errors=True)  # read back already
         if not self.keep:
             shutil.rmtree(run_dir / "ckpt", ignore_errors=True)
             shutil.rmtree(run_dir / "jit", ignore_errors=True)
         return summary
 
+    def _tags(self, spec: ExperimentSpec, trial_label: str) -> dict[str, str]:
+        arch, mech = spec.architecture.name, spec.mechanism.name
+        return telemetry.run_tags(self.exp_id, trial_label, arch, mech)
+
     def _save(
-        self, trial_id: int, outcome: TrialOutcome, resolved: Resolved, kind: str, *, status: str
+        self,
+        trial_id: int,
+        outcome: TrialOutcome,
+        resolved: Resolved,
+        kind: str,
+        trial_label: str,
+        *,
+        status: str,
     ) -> TrialSummary:
         spec = resolved.spec
         results.fill_resume_phases(outcome.failures, outcome.records)
+        recorder = telemetry.Recorder(
+            telemetry.run_tags(
+                self.exp_id, trial_label, spec.architecture.name, spec.mechanism.name
+            ),
+            enabled=spec.metrics,
+        )
+        for f in outcome.failures:
+            recorder.recovery(f.phases, telemetry.LATE_PHASES)
         steady = results.steady_state_steps(outcome.records, outcome.failures, spec.warmup_steps)
         summary = TrialSummary(
             status=status,
@@ -268,6 +290,7 @@ def _extras(resolved: Resolved, outcome: TrialOutcome, steady: list[float]) -> d
             "replica_groups": resolved.arch.layout().replica_groups(),
         },
         "ranks_at_end": outcome.members,
+        "rank_nodes": {str(r): n for r, n in sorted(outcome.rank_nodes.items())},
         "replica_spread": outcome.replica_spread,
         **outcome.arch_metrics,
         **results.throughput_around_failures(outcome.records, outcome.failures, spec.warmup_steps),

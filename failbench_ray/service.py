@@ -30,6 +30,9 @@ class Dispatching:
     out_dir: Path
     lease_s: float
     max_attempts: int
+    dashboard: bool = False  # a local cluster runs Ray's dashboard
+    dashboard_port: int = 8265
+    prometheus_sd: Path | None = None  # keep the Ray nodes' metrics endpoints in this file
 
 
 @contextmanager
@@ -105,10 +108,16 @@ def serve(*, host: str, port: int, cfg: Dispatching) -> int:
     try:
         # migrates on start; a connection for each request thread and each dispatcher
         db = Database(cfg.db_url, pool_size=settings.threads + cfg.n)
-        started = runtime.connect(cfg.ray_address) if cfg.n else False
+        started = (
+            runtime.connect(
+                cfg.ray_address, dashboard=cfg.dashboard, dashboard_port=cfg.dashboard_port
+            )
+            if cfg.n
+            else False
+        )
         app = create_app(settings, db)
         config = uvicorn.Config(app, log_level="info", access_log=False)
-        with dispatchers(db, cfg):
+        with dispatchers(db, cfg), runtime.prometheus_sd(cfg.prometheus_sd if cfg.n else None):
             # uvicorn handles SIGINT/SIGTERM: it stops serving and returns; then the
             # dispatchers stop (their runs go back to the queue).
             uvicorn.Server(config).run(sockets=[sock])
@@ -136,7 +145,7 @@ def dispatch(cfg: Dispatching) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     try:
-        with dispatchers(db, cfg):
+        with dispatchers(db, cfg), runtime.prometheus_sd(cfg.prometheus_sd):
             done.wait()
     finally:
         db.dispose()

@@ -192,6 +192,16 @@ class ExperimentSpec(_Strict):
         60.0, gt=0, description="Timeout of the new process group's rendezvous after a failure."
     )
     threads_per_worker: int = Field(1, ge=1, description="torch intra-op threads per worker.")
+    placement: Literal["pack", "spread"] = Field(
+        "pack",
+        description="How ranks are placed across Ray nodes (a placement group, one bundle per "
+        "rank): `pack` on as few nodes as possible, `spread` over as many as possible.",
+    )
+    metrics: bool = Field(
+        True,
+        description="Export live training metrics (step time, loss, recovery phases) through "
+        "Ray's metrics endpoint, for Prometheus and Grafana.",
+    )
 
     @model_validator(mode="after")
     def _fits(self) -> ExperimentSpec:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from architectures.base import Trainer, WorkerContext
 from failbench_ray.comm import AbortHandle, CollectiveAborted, Generations
 from failbench_ray.records import CheckpointEvent, StepRecord
 from failbench_ray.spec import ExperimentSpec
+from failbench_ray.telemetry import Recorder
 from mechanisms import MECHANISMS, sources
 from mechanisms import checkpoint_io as io
 from mechanisms.base import HookContext, Hooks, RestoreInstruction
@@ -98,8 +100,17 @@ class Worker:
     its extra threads) and hand out its own snapshots (`snapshot_for`) and live state.
     """
 
-    def __init__(self, rank: int, spec: dict[str, Any], run_dir: str, chaos: Any) -> None:
+    def __init__(
+        self,
+        rank: int,
+        spec: dict[str, Any],
+        run_dir: str,
+        chaos: Any,
+        tags: dict[str, str] | None = None,
+    ) -> None:
         self.spec = ExperimentSpec.model_validate(spec)
+        # Live metrics (`failbench_ray.telemetry`), labelled with the run and this rank.
+        self.metrics = Recorder({**(tags or {}), "rank": str(rank)}, enabled=self.spec.metrics)
         torch.set_num_threads(self.spec.threads_per_worker)
         arch_cls = ARCHITECTURES.get(self.spec.architecture.name)
         self.arch = arch_cls(
@@ -153,6 +164,7 @@ class Worker:
     def adopt(self, rank: int) -> None:
         """A hot spare takes the place of dead `rank` (its mirror stays for the restore)."""
         self.rank = rank
+        self.metrics.set_tag("rank", str(rank))
         self.hooks = self._make_hooks(rank)
 
     def pull(self, shard: int, step: int, source: Any) -> bool:
@@ -192,6 +204,15 @@ class Worker:
 
     def abort(self) -> None:
         self.abort_handle.abort()
+
+    def kill_node(self) -> None:
+        """Fail this actor's whole Ray node: SIGKILL its raylet (this worker's parent process).
+        Every worker on the node dies with it; the chaos actor calls this for a `node` kill."""
+        raylet = os.getppid()
+        if raylet <= 1:
+            raise RuntimeError("this worker's parent is not a raylet: cannot fail its node")
+        os.kill(raylet, signal.SIGKILL)
+        os._exit(1)
 
     def progress(self) -> int:
         return self.step
@@ -265,6 +286,8 @@ class Worker:
         else:
             local = self.snapshots.get(step) or self.replicas.local(shard, step)
             events = sources.load(instruction, self.hooks.ctx, self.trainer, local=local)
+        for e in events:
+            self.metrics.state_transfer(e.kind, e.nbytes, e.duration_s)
         self.previous, self._restored = None, True
         # Copies and snapshots after `step` belong to a timeline that was just rolled back.
         self.replicas.truncate(step)
@@ -283,6 +306,7 @@ class Worker:
 
     # -- the mechanism's helpers ----------------------------------------------------------
     def _emit(self, event: CheckpointEvent) -> None:
+        self.metrics.state_transfer(event.kind, event.nbytes, event.duration_s)
         with self._lock:
             self._checkpoints.append(event)
 
@@ -339,6 +363,9 @@ class Worker:
                 self._records.append(record)
                 self._checkpoints += checkpoints
                 self.step = step
+            self.metrics.step(step, out.loss, t2 - t0, out.samples, t2 - t1)
+            for event in checkpoints:
+                self.metrics.state_transfer(event.kind, event.nbytes, event.duration_s)
             if self.holder_lost is not None:
                 reason, self.holder_lost = self.holder_lost, None
                 return self._report("aborted", reason)

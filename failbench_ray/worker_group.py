@@ -1,14 +1,24 @@
-"""The worker group: one actor per rank, placed one per GPU when there are GPUs, else on CPUs."""
+"""The worker group: one actor per rank, placed one per GPU when there are GPUs, else on CPUs.
+
+Ranks are placed with a Ray placement group, one bundle per rank, packed on as few nodes as
+possible or spread across them (`ExperimentSpec.placement`). A replacement takes its rank's
+bundle again; when a node dies, Ray moves that node's bundles to the nodes left.
+"""
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from failbench_ray.errors import RecoveryError
 from failbench_ray.spec import ExperimentSpec
 from failbench_ray.worker import WorkerActor
 
@@ -30,11 +40,24 @@ def choose_placement(world_size: int, resources: dict[str, float]) -> Placement:
     return Placement(min(1.0, max(0.01, share)), 0.0, "gloo", "cpu")
 
 
+_PLACEMENT_TIMEOUT_S = 120.0
+_START_ATTEMPTS = 5
+
+
 class WorkerGroup:
     def __init__(
-        self, spec: ExperimentSpec, run_dir: Path, chaos: Any, placement: Placement, label: str
+        self,
+        spec: ExperimentSpec,
+        run_dir: Path,
+        chaos: Any,
+        placement: Placement,
+        label: str,
+        tags: dict[str, str] | None = None,
     ) -> None:
         self._spec = spec.model_dump(mode="json")
+        self._strategy = spec.placement.upper()
+        self._tags = dict(tags or {})
+        self.pg: PlacementGroup | None = None
         self._ranks = range(spec.world_size)
         self._run_dir = str(run_dir)
         self._chaos = chaos
@@ -42,12 +65,38 @@ class WorkerGroup:
         self._label = label
         self.handles: dict[int, Any] = {}
         self.pids: dict[int, int] = {}
+        self.nodes: dict[int, str] = {}  # rank -> Ray node id of its current worker
         self.incarnation: dict[int, int] = {}
         self.extra: list[Any] = []  # every actor created (spares, actors still starting)
 
+    def reserve(self) -> None:
+        """Reserve one bundle per rank (the ranks' actors are created into them)."""
+        bundle = {"CPU": self.placement.num_cpus}
+        if self.placement.num_gpus:
+            bundle["GPU"] = self.placement.num_gpus
+        self.pg = placement_group(
+            [dict(bundle) for _ in self._ranks], strategy=self._strategy, name=f"{self._label}-pg"
+        )
+        if not self.pg.wait(timeout_seconds=_PLACEMENT_TIMEOUT_S):
+            raise RecoveryError(
+                f"the Ray cluster cannot place {len(self._ranks)} ranks of {bundle} each "
+                f"({self._strategy}) within {_PLACEMENT_TIMEOUT_S:g} s: "
+                f"it has {ray.available_resources()} free; lower world_size or add nodes"
+            )
+
     def start(self, ranks: list[int]) -> None:
-        """Create (or re-create) the actors of `ranks` and wait until each is up."""
-        self.wait_started(self.start_async(ranks))
+        """Create (or re-create) the actors of `ranks` and wait until each is up.
+
+        A new actor can die before it runs when its bundle was on a node that just failed and
+        Ray has not moved the bundle yet: it is created again once the group is placed."""
+        for _ in range(_START_ATTEMPTS):
+            ranks = self.wait_started(self.start_async(ranks))
+            if not ranks:
+                return
+            if self.pg is not None:
+                self.pg.wait(timeout_seconds=_PLACEMENT_TIMEOUT_S)
+            time.sleep(0.5)  # the node's death may not be known yet
+        raise RecoveryError(f"rank(s) {ranks} died {_START_ATTEMPTS} times while starting")
 
     def start_async(self, ranks: list[int]) -> dict[int, Any]:
         """Create actors for `ranks` without waiting: rank -> (handle, ref of its ready())."""
@@ -62,12 +111,20 @@ class WorkerGroup:
             self.extra.append(handle)
         return new
 
-    def wait_started(self, new: dict[int, Any]) -> None:
-        """Make started actors members (`start_async`'s result), once each is up."""
-        infos = ray.get([ref for _, ref in new.values()])
-        for (r, (handle, _)), info in zip(new.items(), infos, strict=True):
+    def wait_started(self, new: dict[int, Any]) -> list[int]:
+        """Make started actors members (`start_async`'s result), once each is up. Returns the
+        ranks whose new actor died before it was up."""
+        died = []
+        for r, (handle, ref) in new.items():
+            try:
+                info = ray.get(ref)
+            except RayActorError:
+                died.append(r)
+                continue
             self.handles[r] = handle
             self.pids[r] = info["pid"]
+            self.nodes[r] = info["node_id"]
+        return died
 
     def start_spare(self, name: str) -> tuple[Any, Any]:
         """A hot spare: a worker with torch imported, no rank yet. (handle, ref of ready())."""
@@ -76,13 +133,17 @@ class WorkerGroup:
         self.extra.append(handle)
         return handle, handle.ready.remote()
 
-    def adopt(self, rank: int, handle: Any, pid: int) -> None:
-        """A ready spare becomes `rank`."""
+    def adopt(self, rank: int, handle: Any, info: dict[str, Any]) -> None:
+        """A ready spare (`info`: what its ready() said) becomes `rank`."""
         ray.get(handle.adopt.remote(rank))
         self.handles[rank] = handle
-        self.pids[rank] = pid
+        self.pids[rank] = info["pid"]
+        self.nodes[rank] = info["node_id"]
 
     def _create(self, name: str, rank: int, num_cpus: float) -> Any:
+        strategy: Any = None  # a spare: wherever Ray puts it
+        if rank >= 0 and self.pg is not None:
+            strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank)
         return WorkerActor.options(  # type: ignore[attr-defined]
             num_cpus=num_cpus,
             num_gpus=self.placement.num_gpus if rank >= 0 else 0,
@@ -90,10 +151,12 @@ class WorkerGroup:
             # (a parameter server serves every worker's push and pull at once; holders pull).
             max_concurrency=len(self._ranks) + 4,
             name=name,
-        ).remote(rank, self._spec, self._run_dir, self._chaos)
+            scheduling_strategy=strategy,
+        ).remote(rank, self._spec, self._run_dir, self._chaos, self._tags)
 
-    def targets(self) -> dict[int, tuple[int, Any]]:
-        return {r: (self.pids[r], h) for r, h in self.handles.items()}
+    def targets(self) -> dict[int, tuple[int, Any, str]]:
+        """rank -> (pid, handle, node id): what the chaos actor needs to kill a rank."""
+        return {r: (self.pids[r], h, self.nodes.get(r, "")) for r, h in self.handles.items()}
 
     def kill(self, ranks: list[int]) -> None:
         for r in ranks:
@@ -107,3 +170,6 @@ class WorkerGroup:
             ray.kill(h, no_restart=True)
         self.handles.clear()
         self.extra.clear()
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None

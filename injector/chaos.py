@@ -10,6 +10,7 @@ Three kinds of trigger:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -18,7 +19,9 @@ from typing import Any
 import ray
 
 from failbench_ray.spec import FailureEvent
-from injector.kill_kinds import KILL_KINDS
+from injector.kill_kinds import KILL_KINDS, Target
+
+log = logging.getLogger("failbench.chaos")
 
 _ARRIVAL_TIMEOUT_S = 60.0
 
@@ -41,13 +44,13 @@ class Chaos:
         self._cond = threading.Condition()
         self._fired: dict[int, Injection] = {}
         self._arrived: dict[int, set[int]] = {}
-        self._targets: dict[int, tuple[int, Any]] = {}
+        self._targets: dict[int, Target] = {}
         self._timers: list[threading.Timer] = []
 
-    def set_targets(self, targets: dict[int, tuple[int, Any]]) -> None:
-        """rank -> (pid, actor handle) of the current worker of that rank."""
+    def set_targets(self, targets: dict[int, tuple[Any, ...]]) -> None:
+        """rank -> (pid, actor handle, node id) of the current worker of that rank."""
         with self._cond:
-            self._targets.update(targets)
+            self._targets.update({r: Target(*t) for r, t in targets.items()})
 
     def start(self) -> None:
         """Start the clock of time-triggered events."""
@@ -101,15 +104,32 @@ class Chaos:
         event = self.events[index]
         kind = KILL_KINDS.get(event.kill)
         t = time.time()
-        if not kind.by_worker:
-            for rank in event.ranks:
-                pid, handle = self._targets[rank]
-                kind.kill(pid, handle)
-        inj = Injection(index, list(event.ranks), event.kill, event.trigger, t, step)
+        ranks = list(event.ranks)
+        if kind.kill is not None:
+            ranks = kind.kill(ranks, self._targets)
+        where = sorted({self._targets[r].node_id[:8] for r in ranks if r in self._targets})
+        log.warning(
+            "failure %d: %s killed rank(s) %s (pid %s, node %s) at %s, step %s",
+            index,
+            event.kill,
+            ranks,
+            [self._targets[r].pid for r in ranks if r in self._targets],
+            ",".join(where),
+            event.trigger,
+            step,
+        )
+        inj = Injection(index, ranks, event.kill, event.trigger, t, step)
         self._fired[index] = inj
         self._cond.notify_all()
         return inj
 
 
+class _LoggingChaos(Chaos):
+    def __init__(self, events: list[dict[str, Any]]) -> None:
+        # Its log is the actor's log on the Ray dashboard: one line per kill.
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        super().__init__(events)
+
+
 # Threaded: victims block in `reached` while others arrive. num_cpus=0: it only waits.
-ChaosActor = ray.remote(num_cpus=0, max_concurrency=64)(Chaos)
+ChaosActor = ray.remote(num_cpus=0, max_concurrency=64)(_LoggingChaos)

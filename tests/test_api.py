@@ -269,3 +269,20 @@ def test_serve_on_a_busy_port_says_so_before_starting_anything(tmp_path: Path) -
     # refused before the database or a Ray cluster was started
     assert not (tmp_path / "x.db").exists()
     assert "Started a local Ray instance" not in r.stderr
+
+
+def test_recommend_answers_like_the_cli_and_refuses_bad_questions(api: httpx.Client) -> None:
+    q = {"architecture": "ddp", "state_gb": 10, "world": 64, "mtbf_hours": 5e4}
+    r = api.get("/v1/recommend", params={**q, "simulate_runs": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["ranking"][0]["expected_ratio"] >= body["ranking"][-1]["expected_ratio"]
+    assert body["question"]["world"] == 64
+    for bad, says in [
+        ({**q, "world": 1}, "--world must be at least 2"),
+        ({**q, "mtbf_hours": 0}, "--mtbf-hours must be positive"),
+        ({**q, "architecture": "resnet"}, "unknown architecture 'resnet'"),
+        ({**q, "bogus": 1}, "bogus"),
+    ]:
+        r = api.get("/v1/recommend", params=bad)
+        assert r.status_code == 422 and says in r.text, r.text

@@ -1,0 +1,233 @@
+"""Peer benchmark: FailBench-Ray's mechanisms against Ray Train protecting the same job.
+
+Ray Train is set up the way its users protect a job: `TorchTrainer` with DDP, a checkpoint
+reported every K steps (`ray.train.report(..., checkpoint=...)`), `FailureConfig(max_failures=1)`.
+Same model, world size, steps and kill (rank 1's process SIGKILLed at the same step) as our
+runs. Measured on both: the time from the kill to the first step completed after recovery,
+and the steps lost. Goal: our best mechanism's recovery <= 0.15x Ray Train's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bench.mechanisms import _ddp, _status
+
+if TYPE_CHECKING:
+    from bench.run import BenchConfig, Env
+
+RAY_TRAIN_GOAL = 0.15
+STEPS, KILL_AT, INTERVAL = 30, 15, 10
+MODEL = {"kind": "mlp", "input_dim": 256, "hidden_dim": 1024, "depth": 3}
+
+
+def _train_loop(config: dict[str, Any]) -> None:
+    """Runs in each Ray Train worker: DDP on the same model and data as `_ddp`'s spec."""
+    import ray.train
+    import torch
+    from ray.train import Checkpoint
+    from ray.train.torch import prepare_model
+
+    from failbench_ray.models import build_model
+    from failbench_ray.spec import ModelSpec
+
+    torch.set_num_threads(1)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    marks = Path(config["marks"])
+    model = prepare_model(build_model(ModelSpec.model_validate(MODEL), seed=0))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    start = 1
+    restored = ray.train.get_checkpoint()
+    if restored is not None:
+        with restored.as_directory() as d:
+            state = torch.load(Path(d) / "state.pt", weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = state["step"] + 1
+    gen = torch.Generator().manual_seed(1)
+    per_rank = config["batch_size"] // world
+    for step in range(start, config["steps"] + 1):
+        if step == KILL_AT and rank == 1 and restored is None:
+            (marks / "killed").write_text(json.dumps({"t": time.time(), "step": step}))
+            os.kill(os.getpid(), signal.SIGKILL)
+        x = torch.randn(per_rank, MODEL["input_dim"], generator=gen)
+        y = torch.randint(0, 10, (per_rank,), generator=gen)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if restored is not None and step == start and rank == 0:
+            (marks / "resumed").write_text(json.dumps({"t": time.time(), "from": start - 1}))
+        checkpoint = None
+        if step % config["interval"] == 0 and rank == 0:
+            d = tempfile.mkdtemp()
+            torch.save(
+                {"model": model.state_dict(), "opt": opt.state_dict(), "step": step},
+                Path(d) / "state.pt",
+            )
+            checkpoint = Checkpoint.from_directory(d)
+        ray.train.report({"step": step, "loss": loss.item()}, checkpoint=checkpoint)
+
+
+def ray_train_recovery(tmp: Path, world: int, index: int) -> dict[str, float]:
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    marks = tmp / f"ray-train-marks-{index}"
+    marks.mkdir(parents=True, exist_ok=True)
+    trainer = TorchTrainer(
+        _train_loop,
+        train_loop_config={
+            "marks": str(marks),
+            "steps": STEPS,
+            "interval": INTERVAL,
+            "batch_size": 64,
+        },
+        scaling_config=ScalingConfig(
+            num_workers=world, use_gpu=False, resources_per_worker={"CPU": 2 / world}
+        ),
+        run_config=RunConfig(
+            name=f"ray-train-{index}",
+            storage_path=str(tmp / "ray-train"),
+            failure_config=FailureConfig(max_failures=1),
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
+        ),
+    )
+    trainer.fit()
+    killed = json.loads((marks / "killed").read_text())
+    resumed = json.loads((marks / "resumed").read_text())
+    return {
+        "recovery_s": resumed["t"] - killed["t"],
+        "lost_steps": killed["step"] - resumed["from"],
+    }
+
+
+def goal_ray_train(env: Env, cfg: BenchConfig) -> dict[str, Any]:
+    from bench.run import run_spec
+
+    world, rounds = 4, 2 if cfg.quick else 3
+    ours: dict[str, list[float]] = {}
+    lost: dict[str, list[int]] = {}
+    for name, mech in [
+        ("disk_ckpt", {"name": "disk_ckpt", "params": {"interval": INTERVAL}}),
+        ("inmem_replica", {"name": "inmem_replica", "params": {"interval": INTERVAL}}),
+        ("live_recovery", "live_recovery"),
+        ("hot_spare", "hot_spare"),
+    ]:
+        spec = _ddp(
+            f"bench-peer-{name}",
+            mech,
+            model=MODEL,
+            trials=rounds,
+            steps=STEPS,
+            failures={"kind": "single", "rank": 1, "at_step": KILL_AT},
+        )
+        result, _ = run_spec(env, spec)
+        fs = [f for t in result.trials for f in t.failures if f.phases.resumed_s is not None]
+        if len(fs) != rounds:
+            raise RuntimeError(f"{name}: {len(fs)} of {rounds} failures resumed")
+        ours[name] = [f.phases.resumed_s for f in fs if f.phases.resumed_s is not None]
+        lost[name] = [f.lost_steps or 0 for f in fs]
+    theirs = [ray_train_recovery(env.tmp, world, i) for i in range(rounds)]
+    medians = {k: statistics.median(v) for k, v in ours.items()}
+    best = min(medians, key=medians.__getitem__)
+    ray_train = statistics.median(r["recovery_s"] for r in theirs)
+    return _status(
+        {
+            "goal": f"our best mechanism's kill -> first step after recovery <= "
+            f"{RAY_TRAIN_GOAL}x Ray Train's (TorchTrainer, FailureConfig, checkpoint every "
+            f"{INTERVAL} steps)",
+            "met": medians[best] <= RAY_TRAIN_GOAL * ray_train,
+            "ours_recovery_s": ours,
+            "ours_median_recovery_s": medians,
+            "ours_lost_steps": lost,
+            "best": best,
+            "ray_train": theirs,
+            "ray_train_median_recovery_s": ray_train,
+            "ratio": medians[best] / ray_train,
+        }
+    )
+
+
+def goal_dcp_peer(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
+    """`torch.distributed.checkpoint` `save` and `async_save` against our `disk_ckpt` and
+    `async_ckpt` writes of the same ~100 MB state: time the caller is blocked, and time until
+    the checkpoint is durable. Rounds rotate the order and start with no dirty pages."""
+    import shutil
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    from bench.mechanisms import MB, _state
+    from mechanisms import checkpoint_io as io
+    from mechanisms.replication import pack
+
+    state = _state(100 * MB)
+    where = tmp / "dcp-peer"
+    where.mkdir(parents=True, exist_ok=True)
+
+    def disk_ckpt(i: int) -> tuple[float, float]:
+        secs = io.save_atomic(state, where / f"disk{i}.pt")[1]
+        return secs, secs
+
+    def async_ckpt(i: int) -> tuple[float, float]:
+        # what the async_ckpt hook does: snapshot at the step boundary, persist in a thread
+        t0 = time.perf_counter()
+        packed = pack(state)
+        blocked = time.perf_counter() - t0
+        t = threading.Thread(target=io.save_packed_atomic, args=(packed, where / f"async{i}.pt"))
+        t.start()
+        t.join()
+        return blocked, time.perf_counter() - t0
+
+    def dcp_save(i: int) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        dcp.save(state, checkpoint_id=where / f"dcp{i}", no_dist=True)
+        secs = time.perf_counter() - t0
+        return secs, secs
+
+    def dcp_async_save(i: int) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        future = dcp.async_save(state, checkpoint_id=str(where / f"dcpa{i}"))
+        blocked = time.perf_counter() - t0
+        future.result()
+        return blocked, time.perf_counter() - t0
+
+    writers = [
+        ("disk_ckpt", disk_ckpt),
+        ("async_ckpt", async_ckpt),
+        ("dcp.save", dcp_save),
+        ("dcp.async_save", dcp_async_save),
+    ]
+    blocked: dict[str, list[float]] = {n: [] for n, _ in writers}
+    durable: dict[str, list[float]] = {n: [] for n, _ in writers}
+    for i in range(2 if cfg.quick else 4):
+        for name, fn in writers[i % 4 :] + writers[: i % 4]:
+            os.sync()
+            b, d = fn(i)
+            blocked[name].append(b)
+            durable[name].append(d)
+        shutil.rmtree(where)
+        where.mkdir()
+    shutil.rmtree(where, ignore_errors=True)
+    med_b = {k: statistics.median(v) for k, v in blocked.items()}
+    med_d = {k: statistics.median(v) for k, v in durable.items()}
+    return _status(
+        {
+            "goal": "async_ckpt blocks <= dcp.async_save, disk_ckpt durable <= dcp.save",
+            "met": med_b["async_ckpt"] <= med_b["dcp.async_save"]
+            and med_d["disk_ckpt"] <= med_d["dcp.save"],
+            "blocked_s": blocked,
+            "durable_s": durable,
+            "median_blocked_s": med_b,
+            "median_durable_s": med_d,
+        }
+    )

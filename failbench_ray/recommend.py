@@ -1,0 +1,316 @@
+"""`failbench recommend`: ranks the mechanisms that apply to an architecture by the expected
+fraction of wall time spent on useful training (`reliability`), and says why.
+
+Costs come from what the database measured (per GB of state per rank, and the fixed phases of
+a recovery, with their trend over world size where several sizes were run) and otherwise from
+defaults that say so. Failure rates come from `--mtbf-hours` (one worker's mean time between
+failures) or a preset of published statistics; the job's MTBF is the worker's divided by the
+world size. Each mechanism is also played through the seeded simulator (`simulator`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from failbench_ray.errors import SpecError
+from failbench_ray.reliability import Profile, expected_ratio, interval, no_checkpoint_ratio
+from failbench_ray.simulator import Failures, simulate_many
+
+GB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    worker_mtbf_hours: float
+    source: str
+
+
+def _per_gpu(days: float, interruptions: int, gpus: int) -> float:
+    return days * 24 * gpus / interruptions
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset(
+            "llama3",
+            _per_gpu(54, 419, 16_384),
+            "Llama 3 pre-training: 419 unexpected interruptions in 54 days on 16,384 GPUs "
+            "(Dubey et al., The Llama 3 Herd of Models, 2024, sec. 3.3.4)",
+        ),
+        Preset(
+            "kokolis-1k",
+            7.9 * 1024,
+            "job MTTF about 7.9 h at 1,024 GPUs (Kokolis et al., Revisiting Reliability in "
+            "Large-Scale Machine Learning Research Clusters, HPCA 2025)",
+        ),
+        Preset(
+            "kokolis-16k",
+            1.8 * 16_384,
+            "job MTTF about 1.8 h at 16,384 GPUs (Kokolis et al., HPCA 2025)",
+        ),
+    )
+}
+
+
+class Question(BaseModel):
+    """What `recommend` is asked (the CLI's flags, the API's query)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    architecture: str
+    state_gb: float = Field(gt=0, description="Training state (model + optimizer) in GB.")
+    world: int = Field(description="Workers (ranks).")
+    mtbf_hours: float | None = Field(None, description="One worker's MTBF, hours.")
+    preset: str | None = None
+    step_s: float = Field(1.0, gt=0, description="Time of one training step, seconds.")
+    job_days: float = Field(30.0, gt=0, description="Failure-free length of the job, days.")
+    correlated: float = Field(
+        0.01, ge=0, le=1, description="Share of failures that also take other nodes' memory."
+    )
+    simulate_runs: int = Field(20, ge=0, le=200, description="Seeded simulator runs.")
+
+
+# -- unit costs ------------------------------------------------------------------------------
+@dataclass
+class Costs:
+    """Seconds per GB of state per rank, and the fixed phases of a recovery (seconds)."""
+
+    save_s_per_gb: float = 1.0  # blocking write to disk, fsync included
+    read_s_per_gb: float = 0.5  # load a checkpoint from disk
+    snapshot_s_per_gb: float = 0.2  # copy into memory (async snapshot, replication)
+    copy_s_per_gb: float = 0.5  # from another process's memory (object store, network)
+    detect_s: float = 0.05
+    quiesce_s: float = 0.2
+    start_s: float = 4.0  # a replacement worker comes up (process, torch import, actor)
+    reform_s: float = 1.0  # a new process group forms
+    adopt_s: float = 0.5  # a hot spare takes the dead rank's place
+    source: dict[str, str] = field(default_factory=dict)  # cost -> where it came from
+
+    def note(self, key: str) -> str:
+        return self.source.get(key, "default")
+
+
+def _gb(nbytes: Any) -> float | None:
+    return nbytes / GB if isinstance(nbytes, int | float) and nbytes > 0 else None
+
+
+def _trend(points: list[tuple[int, float]]) -> Callable[[int], float]:
+    """A fixed cost as a function of world size: a least-squares line in log2(world) where
+    more than one size was measured, else the median."""
+    sizes = {n for n, _ in points}
+    if len(sizes) < 2:
+        med = statistics.median(v for _, v in points)
+        return lambda n: med
+    xs = [math.log2(n) for n, _ in points]
+    ys = [v for _, v in points]
+    slope, icpt = statistics.linear_regression(xs, ys)
+    return lambda n: max(0.0, icpt + slope * math.log2(n))
+
+
+def measured_costs(results: Iterable[Any], world: int) -> Costs:
+    """Unit costs from completed experiments (`ExperimentResult`s), scaled to `world`."""
+    per_gb: dict[str, list[float]] = defaultdict(list)
+    phases: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for res in results:
+        mech = res.spec.get("mechanism", {}).get("name")
+        n = int(res.spec.get("world_size", 2))
+        for t in res.trials:
+            extra = t.model_extra or {}
+            gb = _gb(extra.get("state_bytes_per_rank"))
+            ck = extra.get("checkpoint") or {}
+            if t.status != "completed" or gb is None:
+                continue
+            if mech == "disk_ckpt" and ck.get("blocked_s_per_save"):
+                per_gb["save_s_per_gb"].append(ck["blocked_s_per_save"] / gb)
+            if mech in ("async_ckpt", "inmem_replica") and ck.get("blocked_s_per_save"):
+                per_gb["snapshot_s_per_gb"].append(ck["blocked_s_per_save"] / gb)
+            if ck.get("restore_s_max") and mech in ("disk_ckpt", "async_ckpt"):
+                per_gb["read_s_per_gb"].append(ck["restore_s_max"] / gb)
+            if ck.get("restore_s_max") and mech in ("inmem_replica", "live_recovery"):
+                per_gb["copy_s_per_gb"].append(ck["restore_s_max"] / gb)
+            for f in t.failures:
+                ph = f.phases.model_dump()  # seconds after the injection
+                det, qui, ref = ph["detected_s"], ph["quiesced_s"], ph["reformed_s"]
+                if f.interrupted_by is not None or None in (det, qui, ref):
+                    continue
+                phases["detect_s"].append((n, det))
+                phases["quiesce_s"].append((n, qui - det))
+                key = "adopt_s" if mech == "hot_spare" else "start_s"
+                phases[key].append((n, ref - qui))
+    costs = Costs()
+    for key, values in per_gb.items():
+        setattr(costs, key, statistics.median(values))
+        costs.source[key] = f"measured: median of {len(values)} trials"
+    for key, points in phases.items():
+        setattr(costs, key, _trend(points)(world))
+        sizes = sorted({n for n, _ in points})
+        costs.source[key] = f"measured: {len(points)} recoveries at world sizes {sizes}"
+    if "start_s" in phases:  # the measured re-formation includes the new process group
+        costs.reform_s = 0.0
+        costs.source["reform_s"] = "included in start_s (measured together)"
+    return costs
+
+
+# -- profiles --------------------------------------------------------------------------------
+def profiles(
+    q: Question, c: Costs, state_gb_per_rank: float, job_mtbf_s: float, replicated: bool = False
+) -> list[Profile]:
+    """Each mechanism's costs for this job. `replicated`: every rank holds the whole state
+    (data parallel), so a neighbour's state is a rank's own and `redundant` copies nothing."""
+    s = state_gb_per_rank
+    down = c.detect_s + c.quiesce_s + c.start_s + c.reform_s  # a replacement joins
+    disk = Profile("disk_ckpt", save_s=c.save_s_per_gb * s, restart_s=down + c.read_s_per_gb * s)
+    copy_restore = down + c.copy_s_per_gb * s
+    # A failure takes the in-memory copies too when it is correlated, or when a holder fails
+    # before the recovery is through.
+    loss = q.correlated + (1 - q.correlated) * -math.expm1(-copy_restore / job_mtbf_s)
+    return [
+        Profile("none", restart_s=down, notes=("a failure restarts the job from the start",)),
+        disk,
+        Profile(
+            "async_ckpt",
+            save_s=c.snapshot_s_per_gb * s,
+            durable_s=c.save_s_per_gb * s,
+            restart_s=disk.restart_s,
+        ),
+        Profile(
+            "inmem_replica",
+            save_s=c.snapshot_s_per_gb * s,
+            restart_s=copy_restore,
+            p_replica_loss=loss,
+            fallback=disk,
+        ),
+        Profile(
+            "jit_ckpt",
+            lost_s=q.step_s,
+            restart_s=down + (c.save_s_per_gb + c.read_s_per_gb) * s,
+            p_replica_loss=loss,
+            fallback=disk,
+        ),
+        Profile(
+            "elastic",
+            lost_s=q.step_s,
+            restart_s=c.detect_s + c.quiesce_s + c.reform_s,
+            degraded_s=c.start_s + c.reform_s + c.copy_s_per_gb * s,
+            degraded_share=1 / q.world,
+        ),
+        Profile(
+            "redundant",
+            # a neighbour's state, every step (nothing to copy where it equals the rank's own)
+            overhead=0.0 if replicated else (c.snapshot_s_per_gb + c.copy_s_per_gb) * s / q.step_s,
+            lost_s=q.step_s,
+            restart_s=copy_restore,
+        ),
+        Profile("live_recovery", lost_s=q.step_s, restart_s=copy_restore),
+        Profile(
+            "hot_spare",
+            save_s=c.snapshot_s_per_gb * s,
+            restart_s=c.detect_s + c.quiesce_s + c.adopt_s + c.reform_s,
+        ),
+    ]
+
+
+def _why(p: Profile, mtbf_s: float, ratio: float) -> str:
+    parts = []
+    if p.periodic:
+        tau = interval(p, mtbf_s)
+        parts.append(f"saves block {p.save_s:.3g} s every {tau / 60:.3g} min (Daly's optimum)")
+        if p.durable_s:
+            parts.append(f"durable {p.durable_s:.3g} s later")
+    if p.overhead:
+        parts.append(f"{100 * p.overhead:.3g}% slower steps")
+    lost = (interval(p, mtbf_s) / 2 if p.periodic else p.lost_s) or 0.0
+    parts.append(f"a failure costs {p.restart_s:.3g} s down + {lost:.3g} s of lost work")
+    if p.fallback is not None:
+        parts.append(
+            f"{100 * p.p_replica_loss:.2g}% of failures fall back to {p.fallback.mechanism}"
+        )
+    if p.degraded_s:
+        parts.append(f"{p.degraded_s:.3g} s with one rank fewer")
+    parts += p.notes
+    return f"{100 * ratio:.1f}% useful: " + "; ".join(parts)
+
+
+def recommend(q: Question, results: Iterable[Any] = ()) -> dict[str, Any]:
+    """The answer, as JSON-ready data. Raises SpecError on a question that cannot be asked."""
+    from architectures import ARCHITECTURES
+    from failbench_ray import catalog
+
+    if q.architecture not in ARCHITECTURES:
+        raise SpecError(
+            f"unknown architecture {q.architecture!r}; choose one of "
+            f"{', '.join(sorted(ARCHITECTURES.names()))}"
+        )
+    if q.world < 2:
+        raise SpecError(f"--world must be at least 2 (got {q.world}): one worker has no peer")
+    if (q.mtbf_hours is None) == (q.preset is None):
+        raise SpecError("give exactly one of --mtbf-hours and --preset")
+    if q.preset is not None and q.preset not in PRESETS:
+        raise SpecError(f"unknown preset {q.preset!r}; choose one of {', '.join(PRESETS)}")
+    if q.mtbf_hours is not None and not q.mtbf_hours > 0:
+        raise SpecError(f"--mtbf-hours must be positive (got {q.mtbf_hours:g})")
+    preset = PRESETS[q.preset] if q.preset is not None else None
+    worker_mtbf_h = preset.worker_mtbf_hours if preset else float(q.mtbf_hours or 0)
+    job_mtbf_s = worker_mtbf_h * 3600 / q.world
+    applies = catalog.applicability(q.architecture)
+    shards = catalog.shards(q.architecture, q.world)
+    per_rank = q.state_gb / shards
+    costs = measured_costs(results, q.world)
+    job_s = q.job_days * 86400
+    ranked: list[dict[str, Any]] = []
+    refused: list[dict[str, Any]] = []
+    failures = Failures(job_mtbf_s)
+    for p in profiles(q, costs, per_rank, job_mtbf_s, replicated=shards == 1):
+        if applies.get(p.mechanism, "not registered") is not None:
+            refused.append({"mechanism": p.mechanism, "reason": applies.get(p.mechanism)})
+            continue
+        if p.mechanism == "none":
+            ratio = no_checkpoint_ratio(job_s, p.restart_s, job_mtbf_s)
+        else:
+            ratio = expected_ratio(p, job_mtbf_s)
+        sim = None
+        if q.simulate_runs and (p.mechanism != "none" or job_s / job_mtbf_s < 20):
+            mean, half = simulate_many(p, failures, job_s, q.world, runs=q.simulate_runs)
+            sim = {"ratio": mean, "ci95": half, "runs": q.simulate_runs}
+        ranked.append(
+            {
+                "mechanism": p.mechanism,
+                "expected_ratio": ratio,
+                "simulated": sim,
+                "interval_s": interval(p, job_mtbf_s) if p.periodic else None,
+                "why": _why(p, job_mtbf_s, ratio),
+            }
+        )
+    ranked.sort(key=lambda r: -r["expected_ratio"])
+    return {
+        "question": q.model_dump(),
+        "job_mtbf_hours": job_mtbf_s / 3600,
+        "failures_expected": job_s / job_mtbf_s,
+        "state_gb_per_rank": per_rank,
+        "preset": preset.source if preset else None,
+        "costs": {
+            k: {"value": v, "source": costs.note(k)}
+            for k, v in vars(costs).items()
+            if k != "source"
+        },
+        "ranking": ranked,
+        "not_applicable": refused,
+    }
+
+
+def stored_results(db: Any, limit: int = 2000) -> list[Any]:
+    """Results of the completed experiments in `db` (`ExperimentResult`s), newest first."""
+    from failbench_ray.storage import repo
+
+    with db.session() as s:
+        ids = [e.id for e in repo.list_experiments(s, status="completed", limit=limit)]
+        return [repo.load_result(s, i) for i in ids]

@@ -1,0 +1,76 @@
+"""Runs experiments on a simulated multi-node Ray cluster (`ray.cluster_utils.Cluster`: one
+head with no CPUs, so no rank lands where the driver lives, and N worker nodes, each a raylet
+of its own on loopback), then prints one JSON line per experiment.
+
+Its own process (the test suite's Ray cluster is a single node); `tests/test_multinode.py`
+starts it in a session of its own and stops the whole session afterwards.
+
+    python -m tests.multinode OUT_DIR SPEC.json [SPEC.json ...]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import failbench_ray  # noqa: F401  (the loopback-only Ray setting, before Ray is imported)
+
+NODES = 3
+CPUS_PER_NODE = 2
+# Notice a dead node in about 2 s instead of Ray's default of about 15.
+HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 4}
+
+
+def _wait_alive(n: int, timeout: float = 60) -> None:
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while sum(node["Alive"] for node in ray.nodes()) < n:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"fewer than {n} Ray nodes alive after {timeout} s")
+        time.sleep(0.2)
+
+
+def main(argv: list[str]) -> int:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from failbench_ray.runner import run_experiment
+    from failbench_ray.spec import load_spec
+    from failbench_ray.storage.db import Database
+
+    out = Path(argv[0])
+    local = {"node_ip_address": "127.0.0.1", "include_dashboard": False}
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={**local, "num_cpus": 0, "_system_config": HEALTH},
+    )
+    try:
+        for _ in range(NODES):
+            cluster.add_node(**local, num_cpus=CPUS_PER_NODE)
+        ray.init(address=cluster.address, configure_logging=False, log_to_driver=False)
+        _wait_alive(NODES + 1)
+        db = Database(f"sqlite:///{out / 'multinode.db'}")
+        for path in argv[1:]:
+            result = run_experiment(load_spec(path), db=db, out_dir=out / "runs")
+            nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+            print(json.dumps({"result": result.model_dump(mode="json"), "alive": nodes}))
+            sys.stdout.flush()
+            # The next experiment starts from the same cluster: replace a node that died.
+            for node in list(cluster.worker_nodes):
+                if node.unique_id not in nodes:
+                    cluster.remove_node(node, allow_graceful=False)  # what is left of it
+                    cluster.add_node(**local, num_cpus=CPUS_PER_NODE)
+            _wait_alive(NODES + 1)
+        db.dispose()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
