@@ -288,3 +288,30 @@ def test_the_dashboard_names_every_actor_of_a_run(sqlite_url: str, tmp_path: Pat
         f"{label}-holder0",
         f"{label}-chaos",
     } <= names, sorted(n for n in names if n.startswith("fb-"))
+
+
+def test_serve_dashboard_starts_rays_dashboard_on_loopback_with_token_auth(
+    tmp_path: Path,
+) -> None:
+    dash = free_port()
+    srv = Server(
+        tmp_path,
+        f"sqlite:///{tmp_path / 'fb.db'}",
+        dispatchers=1,
+        env={"FAILBENCH_API_TOKEN": TOKEN},
+        extra=["--dashboard", "--dashboard-port", str(dash)],
+    )
+    try:
+        srv.wait_up()
+        deadline = time.monotonic() + 60
+        answer = None
+        while time.monotonic() < deadline and answer is None:
+            with contextlib.suppress(httpx.HTTPError):
+                answer = httpx.get(f"http://127.0.0.1:{dash}/api/actors", timeout=5)
+            time.sleep(0.5)
+        assert answer is not None, srv.output()
+        assert answer.status_code == 401  # Ray's token authentication stays on
+        assert f"Ray dashboard: http://127.0.0.1:{dash}" in srv.output()
+        assert "ray get-auth-token" in srv.output()
+    finally:
+        srv.stop()
