@@ -14,6 +14,7 @@ from architectures import ARCHITECTURES
 from architectures.base import Architecture, StateLayout, WorkerContext
 from architectures.pipeline import PipelineParams, PipelineTrainer, check_pipeline, stage_holds
 from architectures.tensor import check_tp_degree
+from failbench_ray.comm import init_mesh
 from failbench_ray.errors import SpecError
 
 
@@ -25,11 +26,9 @@ class HybridParams(PipelineParams):
 
 class HybridTrainer(PipelineTrainer):
     def __init__(self, ctx: WorkerContext) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-
         p = ctx.params
-        mesh = init_device_mesh(
-            ctx.device.type, (p.dp, p.pp, p.tp), mesh_dim_names=("dp", "pp", "tp")
+        mesh = init_mesh(
+            ctx.device.type, (p.dp, p.pp, p.tp), ("dp", "pp", "tp"), ctx.spec.pg_timeout_s
         )
         cell, _ = divmod(ctx.rank, p.tp)
         super().__init__(

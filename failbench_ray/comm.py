@@ -218,5 +218,35 @@ class Generations:
 
     def leave(self) -> None:
         if dist.is_initialized():
-            self._graveyard.append(dist.distributed_c10d._get_default_group())
+            # Every group of the generation, sub-groups too (a DeviceMesh's, a pipeline's):
+            # the last reference to one with a collective stuck on a dead peer runs a
+            # destructor that waits out that collective's timeout, in whatever thread drops
+            # it. Seen: a hybrid rank's Python GC collected the old trainer inside a Ray task
+            # thread, which then served nothing for a minute while its peers waited on it.
+            self._graveyard += list(dist.distributed_c10d._world.pg_map)
             dist.destroy_process_group()
+
+
+def init_mesh(
+    device_type: str, shape: tuple[int, ...], names: tuple[str, ...], timeout_s: float
+) -> Any:
+    """A DeviceMesh whose sub-groups time out after `timeout_s`, like the default group.
+
+    `init_device_mesh` creates its sub-groups with torch's default timeout (30 min), whatever
+    the default group has, so a collective stuck on a rank that hung (not died) would hold its
+    peers for half an hour.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    backend = dist.get_backend()
+    options_cls = dist.ProcessGroupGloo._Options if backend == "gloo" else None
+    if backend == "nccl":
+        options_cls = dist.ProcessGroupNCCL.Options
+    if options_cls is None:
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    override: dict[int | str, Any] = {}
+    for name in names:
+        options = options_cls()
+        options._timeout = timedelta(seconds=timeout_s)
+        override[name] = (backend, options)
+    return init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override)

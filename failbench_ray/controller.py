@@ -161,6 +161,8 @@ class TrialController:
         self.survivor_steps: dict[int, int] = {}  # survivors of the last failure -> their step
         self.growing: dict[int, Any] = {}  # elastic: dropped rank -> (handle, ready ref)
         self.grow_failures: list[FailureRecord] = []  # failures whose ranks are growing back
+        self._last_steps: dict[int, int] = {}  # what the ranks said at the last progress poll
+        self._progressed_at = 0.0  # when that last changed (the stall watchdog)
 
     # -- driving ---------------------------------------------------------------------------
     def run(self) -> TrialOutcome:
@@ -238,7 +240,8 @@ class TrialController:
             for r, h in self.group.handles.items()
         }
         reports: dict[int, RunReport] = {}
-        last_poll = time.monotonic()
+        last_poll = self._progressed_at = time.monotonic()
+        self._last_steps = {}
         while self.pending:
             ready, _ = ray.wait(list(self.pending.values()), num_returns=1, timeout=_POLL_S)
             got = self._collect(ready)
@@ -720,10 +723,28 @@ class TrialController:
                 self.outcome.checkpoints += rep.checkpoints
 
     def _poll_progress(self) -> None:
+        """Report progress, and fail the trial when no live rank completes a step for
+        `stall_timeout_s`: a hang (a lost message, a collective stuck on a hung rank) must
+        not hold a sweep forever. A rank that does not answer counts as not progressing."""
         assert self.group is not None
         live = sorted(set(self.group.handles) - self.dead)
-        with contextlib.suppress(RayActorError, GetTimeoutError):
-            self.on_progress(ray.get(self.group.handles[live[0]].progress.remote(), timeout=2))
+        refs = {r: self.group.handles[r].progress.remote() for r in live}
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=2)
+        steps: dict[int, int] = {}
+        for r, ref in refs.items():
+            with contextlib.suppress(RayActorError, GetTimeoutError):
+                steps[r] = ray.get(ref, timeout=0)
+        if steps:
+            self.on_progress(steps[min(steps)])
+        now = time.monotonic()
+        if steps != self._last_steps:
+            self._last_steps, self._progressed_at = steps, now
+        elif now - self._progressed_at > self.spec.stall_limit_s:
+            raise RecoveryError(
+                f"no rank completed a step for {now - self._progressed_at:.0f} s while "
+                f"training (ranks at steps {steps}, unanswered ranks left out): a hang, not a "
+                "failure; raise stall_timeout_s if steps really take this long"
+            )
 
     def _digest(self) -> str:
         """Digest of the whole model: each shard's digest, replicas checked against each other."""

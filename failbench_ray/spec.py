@@ -180,6 +180,12 @@ class ExperimentSpec(_Strict):
     pg_timeout_s: float = Field(
         1800.0, gt=0, description="Process-group (collective) timeout; torch's default is 30 min."
     )
+    stall_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Fail a trial when no rank completes a step for this long while training "
+        "(a hang, not a failure). Default: pg_timeout_s + 60 s.",
+    )
     quiesce: QuiesceStrategy = Field(
         "abort",
         description="How survivors get out of the dead collective: `abort` (fast, keeps their "
@@ -202,6 +208,11 @@ class ExperimentSpec(_Strict):
         description="Export live training metrics (step time, loss, recovery phases) through "
         "Ray's metrics endpoint, for Prometheus and Grafana.",
     )
+
+    @property
+    def stall_limit_s(self) -> float:
+        """How long training may go without a completed step before the trial fails."""
+        return self.stall_timeout_s or self.pg_timeout_s + 60.0
 
     @model_validator(mode="after")
     def _fits(self) -> ExperimentSpec:

@@ -1,7 +1,12 @@
 """The training worker actor: one rank. Runs steps, hooks of the mechanism, and failpoints.
 
-Threaded with max_concurrency=2: the training thread runs `run()`, the second thread serves
-`abort()` and `progress()` so the driver can pull a rank out of a dead collective.
+Threaded: the default group's threads run `run()` (the training thread), the driver's calls
+(`abort()`, `progress()`, ...) so the driver can pull a rank out of a dead collective, and
+peers' requests (a parameter server's push and pull).
+Replication has groups of its own: `pull` waits on another worker's `snapshot_for`, so if both
+shared one thread pool, a ring of ranks each pulling from its predecessor could take every
+thread and wait on each other forever. `serve` methods never wait on another actor; `pull` only
+waits on `serve` methods, so the waits cannot form a cycle.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Any
 
 import ray
 import torch
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from architectures import ARCHITECTURES
 from architectures.base import Trainer, WorkerContext
@@ -167,9 +172,11 @@ class Worker:
         self.metrics.set_tag("rank", str(rank))
         self.hooks = self._make_hooks(rank)
 
+    @ray.method(concurrency_group="pull")
     def pull(self, shard: int, step: int, source: Any) -> bool:
         return self.replicas.pull(shard, step, source)
 
+    @ray.method(concurrency_group="serve")
     def replica_ref(self, shard: int, step: int) -> list[Any]:
         return self.replicas.ref(shard, step)
 
@@ -185,10 +192,12 @@ class Worker:
         """Forget held copies newer than `step` (a hot spare, after a rollback)."""
         self.replicas.truncate(step)
 
+    @ray.method(concurrency_group="serve")
     def snapshot_for(self, step: int) -> Packed:
         """This rank's snapshot of `step` (a holder pulls it, and so owns the copy)."""
         return self.snapshots[step]
 
+    @ray.method(concurrency_group="serve")
     def live_state(self) -> tuple[Packed, int]:
         """This rank's current state and its step (a replacement heals from it)."""
         assert self.trainer is not None
@@ -322,12 +331,16 @@ class Worker:
         pulls = [target.pull.remote(shard, step, self.me) for target in self.targets]
         if wait:
             try:
-                ray.get(pulls)
-            except RayActorError as err:
+                # As long as a collective may take: a holder that neither answers nor dies
+                # must not hold this rank, and its peers, forever.
+                ray.get(pulls, timeout=self.spec.pg_timeout_s)
+            except (RayActorError, GetTimeoutError) as err:
                 # The step is done here but its copy is held nowhere: stop after it and let
                 # the driver, which sees the holder's death, decide. (Raising would make this
                 # live rank look dead to the driver.)
-                self.holder_lost = f"a holder of this rank's copy died: {type(err).__name__}"
+                self.holder_lost = f"a holder of this rank's copy failed: {type(err).__name__}"
+                if not isinstance(err, RayActorError):
+                    self.holder_lost += f" ({err})"
                 return packed.nbytes, time.perf_counter() - t0, 0
         return packed.nbytes, time.perf_counter() - t0, len(self.targets)
 
@@ -394,4 +407,5 @@ class Worker:
             os._exit(1)
 
 
-WorkerActor = ray.remote(max_concurrency=2)(Worker)
+# Concurrency per group, see the module docstring (several sources may pull from one rank).
+WorkerActor = ray.remote(max_concurrency=2, concurrency_groups={"serve": 4, "pull": 4})(Worker)

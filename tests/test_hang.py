@@ -1,0 +1,76 @@
+"""A hang is turned into an answer: a trial whose ranks stop completing steps fails with a
+reason instead of holding the sweep forever."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from failbench_ray.runner import run_experiment
+from failbench_ray.spec import parse_spec
+from failbench_ray.storage.db import Database
+
+
+def _stop_rank_when_training(rank: int, at_step: int, stopped: list[int]) -> None:
+    """SIGSTOP the worker of `rank` once it has completed `at_step` (it hangs, it does not die)."""
+    import ray
+    from ray.util import list_named_actors
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        names = [
+            a
+            for a in list_named_actors(all_namespaces=True)
+            if a["name"].endswith(f"-rank{rank}-i0")
+        ]
+        if names:
+            handle = ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
+            with contextlib.suppress(Exception):
+                if ray.get(handle.progress.remote(), timeout=5) >= at_step:
+                    pid = ray.get(handle.ready.remote(), timeout=5)["pid"]
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped.append(pid)
+                    return
+        time.sleep(0.1)
+
+
+@pytest.mark.usefixtures("no_leaks")
+def test_a_hung_rank_fails_the_trial_with_a_reason_instead_of_holding_it(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    spec = parse_spec(
+        {
+            "architecture": "ddp",
+            "world_size": 2,
+            "model": {"kind": "mlp", "input_dim": 16, "hidden_dim": 32, "depth": 2},
+            "steps": 100_000,
+            "batch_size": 16,
+            "baseline": False,
+            # The survivor's all-reduce would wait 10 minutes; the watchdog gives up after 3 s.
+            "pg_timeout_s": 600,
+            "stall_timeout_s": 3,
+        }
+    )
+    stopped: list[int] = []
+    stopper = threading.Thread(target=_stop_rank_when_training, args=(1, 5, stopped))
+    stopper.start()
+    db = Database(sqlite_url)
+    try:
+        result = run_experiment(spec, db=db, out_dir=tmp_path / "runs")
+    finally:
+        stopper.join()
+        for pid in stopped:  # let the stopped process take its SIGKILL if it has not yet
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        db.dispose()
+    assert stopped, "rank 1 never reached step 5"
+    trial = result.trials[0]
+    assert (result.status, trial.status) == ("failed", "failed"), trial
+    assert trial.error is not None and "no rank completed a step for" in trial.error
+    assert "raise stall_timeout_s" in trial.error
