@@ -152,10 +152,14 @@ def cell_row(cell: Cell) -> dict[str, Any]:
         oracle = "not expected"
     else:
         oracle = "exact" if all(m is True for m in matches) else "DIVERGED"
-    progress = None
+    progress = by_samples = None
     if cell.trials and cell.baseline is not None:
-        by_wall = stats.progress([r.curve for r in cell.trials], [cell.baseline.curve], "wall_s")
+        curves, base = [r.curve for r in cell.trials], [cell.baseline.curve]
+        by_wall = stats.progress(curves, base, "wall_s")
         progress = by_wall[-1] if by_wall else None
+        # The same samples seen: did the failure cost learning, not only time?
+        at_samples = stats.progress(curves, base, "samples")
+        by_samples = at_samples[-1] if at_samples else None
     base_final = res.baseline.final_loss if res and res.baseline else None
     to_base = [time_to_loss(r, base_final) for r in cell.trials if base_final is not None]
     return {
@@ -185,6 +189,7 @@ def cell_row(cell: Cell) -> dict[str, Any]:
             ]
         ),
         "loss_vs_baseline": progress,
+        "loss_vs_baseline_samples": by_samples,
         "time_to_baseline_loss_s": _median([t for t in to_base if t is not None]),
         "oracle": oracle,
         "state_bytes_per_rank": _median(
@@ -250,6 +255,9 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
                 if cmp.verdict == "lower"
                 else f"did not become loss progress ({cmp.verdict} at matched time)"
             )
+            at_samples = r["loss_vs_baseline_samples"]
+            if at_samples is not None and at_samples.difference is not None:
+                became += f"; at matched samples the loss is {at_samples.verdict}"
             out.append(
                 f"{r['cell']}: throughput rose {after / before:.2f}x after the failure and "
                 f"{became}."
@@ -385,31 +393,37 @@ def _fmt(v: Any, digits: int = 3) -> str:
     return str(v)
 
 
+def _effect(cmp: stats.Comparison | None) -> str:
+    """A comparison as "verdict: difference (95% interval)"."""
+    if cmp is None:
+        return "-"
+    if cmp.difference is None:
+        return cmp.verdict
+    text = f"{cmp.verdict}: {cmp.difference:+.3g}"
+    if cmp.ci95:
+        text += f" ({cmp.ci95[0]:+.3g}, {cmp.ci95[1]:+.3g})"
+    return text
+
+
 def _cells_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     head = [
         "cell", "trials", "overhead % (95% CI)", *[f"{p} s" for p in SHOWN_PHASES],
         "lost steps", "samples/s before -> after", "loss vs baseline (matched time)",
+        "loss vs baseline (matched samples)",
         "to baseline loss s", "oracle", "state MB/rank",
     ]  # fmt: skip
     body = []
     for r in rows:
         ci = r["overhead_ci95"]
         ov = _fmt(r["overhead_pct"]) + (f" ({ci[0]:.3g}, {ci[1]:.3g})" if ci else "")
-        cmp = r["loss_vs_baseline"]
-        loss = "-"
-        if cmp is not None and cmp.difference is not None:
-            loss = f"{cmp.verdict}: {cmp.difference:+.3g}"
-            if cmp.ci95:
-                loss += f" ({cmp.ci95[0]:+.3g}, {cmp.ci95[1]:+.3g})"
-        elif cmp is not None:
-            loss = cmp.verdict
+        loss, loss_samples = _effect(r["loss_vs_baseline"]), _effect(r["loss_vs_baseline_samples"])
         sb = r["state_bytes_per_rank"]
         body.append(
             [
                 r["cell"], str(r["trials"]), ov, *[_fmt(r["phases_s"][p]) for p in SHOWN_PHASES],
                 _fmt(r["lost_steps"]),
                 f"{_fmt(r['samples_per_s_before'])} -> {_fmt(r['samples_per_s_after'])}",
-                loss, _fmt(r["time_to_baseline_loss_s"]), r["oracle"],
+                loss, loss_samples, _fmt(r["time_to_baseline_loss_s"]), r["oracle"],
                 _fmt(sb / 1e6 if sb else None),
             ]
         )  # fmt: skip
@@ -433,7 +447,7 @@ def write(db: Database, out: Path, sweep_id: str | None = None) -> dict[str, Any
         f"{sum(c.status == 'failed' for c in cells)} failed. Overhead is against the matched "
         "baseline's mean step time; phases are medians, each from the phase before it; loss vs "
         "baseline is Welch's t-test on the losses around the end of the shorter run at matched "
-        "wall-clock time (difference of means, 95% interval).",
+        "wall-clock time, and again at matched samples (difference of means, 95% interval).",
         "",
         "## Findings",
         *[f"- {f}" for f in found or ["(no completed cells with a fault-tolerance mechanism)"]],

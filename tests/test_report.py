@@ -73,9 +73,15 @@ def test_report_tables_match_the_database_and_figures_are_images(tmp_path: Path)
                 lost = [f.lost_steps for t in result.trials for f in t.failures]
                 assert row["lost_steps"] == statistics.median(lost)
                 assert row["oracle"] == "exact"  # both roll back and replay exactly
+                # Loss progress at matched samples, from the records in the database: an exact
+                # replay sees the baseline's samples in the baseline's order.
+                by_samples = row["loss_vs_baseline_samples"]
+                assert by_samples is not None and by_samples.by == "samples"
+                assert by_samples.n_trial > 0 and by_samples.n_baseline > 0
                 # the markdown row says the same
                 line = next(x for x in md.splitlines() if x.startswith(f"| {cell.key} |"))
                 assert f"| {mean:.3g} (" in line and "| exact |" in line
+    assert "| loss vs baseline (matched samples) |" in md
     assert "- hybrid/disk_ckpt/single: " in md and "world_size" in md  # not applicable, why
     assert any(f.startswith("ddp: best by steady-state overhead") for f in written["findings"])
     assert set(written["figures"]) >= {
