@@ -204,8 +204,11 @@ class TrialController:
     # -- states ----------------------------------------------------------------------------
     def _starting(self) -> State:
         self.store = dist.TCPStore(self.store_host, 0, is_master=True, wait_for_workers=False)
-        # On the driver's node: a node kill must not take the injector down with its victims.
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        # On the head node, which a node kill never takes (see _set_targets), so the injector
+        # outlives its victims. (Not "the driver's node": a driver on a multi-node host may be
+        # attached to another raylet; the multi-node test's chaos actor died with its victim.)
+        home = _head_node_id() or ray.get_runtime_context().get_node_id()
+        here = NodeAffinitySchedulingStrategy(home, soft=True)
         self.chaos = ChaosActor.options(  # type: ignore[attr-defined]
             name=f"{self.label}-chaos", scheduling_strategy=here
         ).remote([e.model_dump() for e in self.events])

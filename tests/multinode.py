@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import failbench_ray  # noqa: F401  (the loopback-only Ray setting, before Ray is imported)
 
@@ -23,16 +24,28 @@ CPUS_PER_NODE = 2
 HEALTH = {"health_check_period_ms": 1000, "health_check_failure_threshold": 8}
 
 
-def _wait_alive(n: int, timeout: float = 60) -> None:
+def _wait_alive(n: int, gone: set[str] | None = None, timeout: float = 60) -> None:
+    """Until n nodes are alive and none of `gone` still counts as alive (Ray notices a dead
+    node only after its health checks fail)."""
     import time
 
     import ray
 
     deadline = time.monotonic() + timeout
-    while sum(node["Alive"] for node in ray.nodes()) < n:
+    while True:
+        alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+        if len(alive) >= n and not alive & (gone or set()):
+            return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"fewer than {n} Ray nodes alive after {timeout} s")
+            raise RuntimeError(f"{len(alive)} Ray nodes alive after {timeout} s, wanted {n}")
         time.sleep(0.2)
+
+
+def _raylet_exited(node: Any) -> bool:
+    from ray._private import ray_constants
+
+    procs = node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, [])
+    return any(p.process.poll() is not None for p in procs)
 
 
 def main(argv: list[str]) -> int:
@@ -60,12 +73,15 @@ def main(argv: list[str]) -> int:
             nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
             print(json.dumps({"result": result.model_dump(mode="json"), "alive": nodes}))
             sys.stdout.flush()
-            # The next experiment starts from the same cluster: replace a node that died.
+            # The next experiment starts from the same cluster: replace a node that died (its
+            # raylet exited; Ray may not have noticed yet), and only that one.
+            gone = set()
             for node in list(cluster.worker_nodes):
-                if node.unique_id not in nodes:
+                if node.node_id not in nodes or _raylet_exited(node):
+                    gone.add(node.node_id)
                     cluster.remove_node(node, allow_graceful=False)  # what is left of it
                     cluster.add_node(**local, num_cpus=CPUS_PER_NODE)
-            _wait_alive(NODES + 1)
+            _wait_alive(NODES + 1, gone)
         db.dispose()
     finally:
         ray.shutdown()
