@@ -658,7 +658,7 @@ def mechanism_lines(g: dict[str, Any], line: Callable[[str, str], None]) -> list
         )
     if "metrics_overhead" in g:
         m = g["metrics_overhead"]
-        md = m.get("median_mean_step_s", {})
+        md = m.get("ab_mean_step_s", {})
         line(
             "metrics_overhead",
             f"step {_ms(md.get('on'))} on vs {_ms(md.get('off'))} off = {m.get('ratio', 0):.3f}x; "
