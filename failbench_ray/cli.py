@@ -413,7 +413,7 @@ def _print_tables(r: dict[str, Any]) -> None:
         out.print(
             f"failure #{n} (trial {trial}): rank {ranks} {f['kill_kind']} at {f['trigger']}, "
             f"restored from step {f['restored_from_step']} ({f['lost_steps']} steps lost), "
-            f"quiesce {f['quiesce']}"
+            f"quiesce {f['quiesce']}, replacement {f.get('replacement') or '-'}"
             + (
                 f", interrupted by #{f['interrupted_by']}"
                 if f.get("interrupted_by") is not None

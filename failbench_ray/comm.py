@@ -38,6 +38,18 @@ class AbortHandle:
         self._step_failed = False
         self._pending: list[tuple[torch.futures.Future, Any]] = []
         self._events: list[threading.Event] = []  # what `wait()` callers block on
+        self._works: list[dist.Work] = []  # launched through this handle, maybe still running
+
+    def _track(self, work: dist.Work) -> None:
+        """Keep `work` (and forget finished ones) so `in_flight` can tell a stale one."""
+        self._works = [w for w in self._works if not w.is_completed()]
+        self._works.append(work)
+
+    def in_flight(self) -> int:
+        """Collectives launched through this handle that have not finished: an aborted one
+        stays parked on its dead peer (inside gloo) until the group's timeout."""
+        with self._lock:
+            return sum(not w.is_completed() for w in self._works)
 
     @property
     def failed(self) -> bool:
@@ -63,6 +75,7 @@ class AbortHandle:
         """A future completed by `work` (with `on_success()`), or by an abort (with `fallback`)."""
         out: torch.futures.Future = torch.futures.Future()
         with self._lock:
+            self._track(work)
             if self.failed:
                 self._step_failed = True
                 out.set_result(fallback)
@@ -117,6 +130,7 @@ class AbortHandle:
                 event.set()
 
         with self._lock:
+            self._track(work)
             if self._aborted:
                 self._step_failed = True
                 raise CollectiveAborted(self.reason())
@@ -225,6 +239,19 @@ class Generations:
             # thread, which then served nothing for a minute while its peers waited on it.
             self._graveyard += list(dist.distributed_c10d._world.pg_map)
             dist.destroy_process_group()
+
+    def held(self) -> int:
+        """Old groups kept alive (see `leave`)."""
+        return len(self._graveyard)
+
+    def close(self) -> None:
+        """Free every group and the store client, for a process that serves another trial.
+
+        Only safe when no collective of any generation is still in flight (the caller checks
+        `AbortHandle.in_flight`): then no destructor has a stale collective to wait out."""
+        self.leave()
+        self._graveyard.clear()
+        self._client = None
 
 
 def init_mesh(

@@ -31,6 +31,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from failbench_ray import results
 from failbench_ray.checks import Resolved
 from failbench_ray.errors import RecoveryError, TrialInterrupted
+from failbench_ray.pool import WorkerPool
 from failbench_ray.records import CheckpointEvent, FailureRecord, StepRecord
 from failbench_ray.recovery import decide
 from failbench_ray.telemetry import LIVE_PHASES, WORLD_SIZE, Recorder
@@ -120,7 +121,9 @@ class TrialController:
         on_progress: Callable[[int], None] = lambda step: None,
         should_stop: Callable[[], str | None] = lambda: None,
         tags: dict[str, str] | None = None,
+        pool: WorkerPool | None = None,
     ) -> None:
+        self.pool = pool  # started processes to reuse (never for a replacement); None: fresh
         self.should_stop = should_stop  # a reason to stop (a cancel), checked between states
         self.spec = resolved.spec
         self.mech = resolved.mech
@@ -191,11 +194,11 @@ class TrialController:
 
     def close(self) -> None:
         """Stop every actor of this trial (also on Ctrl-C)."""
-        if self.chaos is not None:
-            ray.kill(self.chaos, no_restart=True)
-            self.chaos = None
         if self.group is not None:
-            self.group.shutdown()
+            self.group.shutdown(chaos=self.chaos)
+        elif self.chaos is not None:
+            ray.kill(self.chaos, no_restart=True)
+        self.chaos = None
         for h in self.holders.values():
             ray.kill(h, no_restart=True)
         self.holders.clear()
@@ -208,16 +211,20 @@ class TrialController:
         # outlives its victims. (Not "the driver's node": a driver on a multi-node host may be
         # attached to another raylet; the multi-node test's chaos actor died with its victim.)
         home = _head_node_id() or ray.get_runtime_context().get_node_id()
-        here = NodeAffinitySchedulingStrategy(home, soft=True)
-        self.chaos = ChaosActor.options(  # type: ignore[attr-defined]
-            name=f"{self.label}-chaos", scheduling_strategy=here
-        ).remote([e.model_dump() for e in self.events])
+        events = [e.model_dump() for e in self.events]
+        if self.pool is not None:
+            self.chaos = self.pool.chaos(events, home)
+        else:
+            self.chaos = ChaosActor.options(  # type: ignore[attr-defined]
+                name=f"{self.label}-chaos",
+                scheduling_strategy=NodeAffinitySchedulingStrategy(home, soft=True),
+            ).remote(events)
         self.group = WorkerGroup(
-            self.spec, self.run_dir, self.chaos, self.placement, self.label, self.tags
+            self.spec, self.run_dir, self.chaos, self.placement, self.label, self.tags, self.pool
         )
         self.group.reserve()
         self._start_holders()
-        self.group.start(list(range(self.spec.world_size)))
+        self.group.start_first(list(range(self.spec.world_size)))
         self._spares_ready(wait=True)
         self._set_targets()
         self.outcome.rank_nodes = dict(self.group.nodes)
@@ -316,6 +323,8 @@ class TrialController:
             self.mech, self._failure_context(), continues_without_dead=self.continues_without_dead
         )
         self.plan = plan
+        for f in self.open:
+            f.replacement = _replacement(plan)
         self.group.kill([r for r in plan.replace if r not in self.dead])
         for r, name in plan.spares.items():  # hot spares take their ranks at once
             handle = self.holders.pop(name)
@@ -772,6 +781,15 @@ class TrialController:
                 return "diverged"
             h.update(digests.pop().encode())
         return h.hexdigest()
+
+
+def _replacement(plan: RecoveryPlan) -> str:
+    """How the ranks a plan brings back are brought back: standbys that already run
+    ("warm"), new processes started now ("cold"), or none (training goes on without them)."""
+    back = set(plan.replace) | set(plan.grow)
+    if not back:
+        return "none"
+    return "warm" if back <= set(plan.spares) else "cold"
 
 
 def _head_node_id() -> str:

@@ -58,6 +58,10 @@ class FailureRecord:
     restored_from_step: int | None = None
     phases: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(PHASES))
     interrupted_by: int | None = None  # index of a cascading failure that cut this recovery short
+    # How the dead ranks came back: "cold" (new processes, torch imported inside the measured
+    # recovery), "warm" (standbys that already ran: hot spares), "none" (training went on
+    # without them), "" (no recovery plan was made).
+    replacement: str = ""
 
     @property
     def lost_steps(self) -> int | None:

@@ -39,6 +39,9 @@ class FailureResult(BaseModel):
     restored_from_step: int | None
     lost_steps: int | None
     quiesce: str
+    # cold: new processes (torch imported inside the recovery); warm: standbys that ran
+    # already (hot spares); none: training went on without the dead ranks
+    replacement: str = ""
     restore_source: str
     interrupted_by: int | None = None
     phases: PhaseTimes
@@ -190,6 +193,7 @@ def failure_result(f: FailureRecord) -> FailureResult:
         restored_from_step=f.restored_from_step,
         lost_steps=f.lost_steps,
         quiesce=f.quiesce,
+        replacement=f.replacement,
         restore_source=f.restore_source,
         interrupted_by=f.interrupted_by,
         phases=PhaseTimes(**{f"{p}_s": f.phases.get(p) for p in PHASES}),

@@ -23,6 +23,7 @@ from failbench_ray import results, telemetry
 from failbench_ray.checks import Resolved, resolve
 from failbench_ray.controller import TrialController, TrialOutcome
 from failbench_ray.errors import LeaseLost, TrialInterrupted
+from failbench_ray.pool import WorkerPool, shared_pool
 from failbench_ray.results import ExperimentResult
 from failbench_ray.runtime import node_ip
 from failbench_ray.spec import ExperimentSpec, FailureTrace, PartSpec
@@ -67,6 +68,7 @@ def run_experiment(
     should_stop: Callable[[], str | None] = lambda: None,
     guard: Callable[[Session], None] = lambda session: None,
     cluster_share: float = 1.0,
+    reuse_workers: bool = True,
 ) -> ExperimentResult:
     """Run `spec` on the connected Ray cluster. Raises SpecError before anything starts.
 
@@ -81,6 +83,8 @@ def run_experiment(
     `cluster_share`: the fraction of the cluster's CPUs (GPUs) this experiment sizes its
     actors to; N experiments at once each take 1/N, so no two ever wait on each other's
     resources (half-placed groups would deadlock).
+    `reuse_workers`: trials take their first ranks (and hot spares) from this driver's pool
+    of started processes (`failbench_ray.pool`); a replacement is always a new process.
     """
     resolved = resolve(spec)
     base = resolve(baseline_spec(spec))
@@ -104,6 +108,7 @@ def run_experiment(
     shutil.rmtree(exp_dir, ignore_errors=True)
     runner = _Runner(db, exp_id, exp_dir, progress, keep_checkpoints, baseline_of)
     runner.should_stop, runner.guard, runner.share = should_stop, guard, cluster_share
+    runner.pool = shared_pool() if reuse_workers else None
     try:
         ok = runner.run_all(resolved, base)
     except TrialInterrupted:
@@ -140,6 +145,7 @@ class _Runner:
         self.should_stop: Callable[[], str | None] = lambda: None
         self.guard: Callable[[Session], None] = lambda session: None
         self.share = 1.0
+        self.pool: WorkerPool | None = None
         self.db = db
         self.exp_id = exp_id
         self.exp_dir = exp_dir
@@ -200,6 +206,7 @@ class _Runner:
             store_host=node_ip(),
             on_progress=lambda step: self.progress(label, step, spec.steps),
             should_stop=self.should_stop,
+            pool=self.pool,
         )
         try:
             outcome = controller.run()

@@ -137,6 +137,9 @@ def run_tags(experiment: str, trial: str, architecture: str, mechanism: str) -> 
     return dict(zip(RUN_TAGS, (experiment, trial, architecture, mechanism), strict=True))
 
 
+_PROCESS_METRICS: dict[str, Any] = {}
+
+
 class Recorder:
     """Records `DEFINITIONS` with fixed run tags. Ray's metric objects are made on first use in
     the process that records (they need a connected Ray worker); disabled, every call is a no-op.
@@ -154,7 +157,9 @@ class Recorder:
         self._base.clear()
 
     def _metric(self, d: MetricDef) -> Any:
-        m = self._metrics.get(d.name)
+        # One Ray metric object per name and process: a pooled worker records trial after
+        # trial through the same objects instead of registering the name again each time.
+        m = self._metrics.get(d.name) or _PROCESS_METRICS.get(d.name)
         if m is None:
             from ray.util import metrics
 
@@ -169,7 +174,8 @@ class Recorder:
                     boundaries=list(d.boundaries),
                     tag_keys=d.tags,
                 )
-            self._metrics[d.name] = m
+            _PROCESS_METRICS[d.name] = m
+        self._metrics[d.name] = m
         return m
 
     def _tags(self, d: MetricDef, extra: Mapping[str, str]) -> dict[str, str]:

@@ -12,8 +12,10 @@ waits on `serve` methods, so the waits cannot form a cycle.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
+import random
 import signal
 import threading
 import time
@@ -23,6 +25,7 @@ from typing import Any
 
 import ray
 import torch
+import torch.distributed as dist
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from architectures import ARCHITECTURES
@@ -37,6 +40,19 @@ from mechanisms.base import HookContext, Hooks, RestoreInstruction
 from mechanisms.replication import Packed, ReplicaStore, pack, unpack
 
 _FAILPOINT_WAIT_S = 120.0
+
+
+def process_resources(pid: int) -> dict[str, int]:
+    """Resident memory (bytes), threads and open files of a Linux process, from /proc."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        fields[key] = value.split()
+    return {
+        "rss_bytes": int(fields["VmRSS"][0]) * 1024,
+        "threads": int(fields["Threads"][0]),
+        "open_files": len(os.listdir(f"/proc/{pid}/fd")),
+    }
 
 
 @dataclass(frozen=True)
@@ -107,15 +123,44 @@ class Worker:
 
     def __init__(
         self,
+        rank: int = -1,
+        spec: dict[str, Any] | None = None,
+        run_dir: str = "",
+        chaos: Any = None,
+        tags: dict[str, str] | None = None,
+    ) -> None:
+        # What a fresh interpreter starts with, so a pooled process can start each trial
+        # from exactly that (`configure`); models and data seed their own generators.
+        self._fresh_rng = (random.getstate(), torch.get_rng_state(), torch.get_num_threads())
+        self._lock = threading.Lock()
+        self._running = False  # the training thread is inside run()
+        self._log: Any = None
+        self.generations = Generations()
+        self._handles: list[AbortHandle] = []  # every generation's, to see stale collectives
+        self.trial = ""
+        if spec is not None:
+            self.configure(rank, spec, run_dir, chaos, tags)
+
+    def configure(
+        self,
         rank: int,
         spec: dict[str, Any],
         run_dir: str,
         chaos: Any,
         tags: dict[str, str] | None = None,
-    ) -> None:
+    ) -> dict[str, Any]:
+        """Become `rank` (-1: a hot spare) of a trial: everything a trial's worker holds is
+        made here, so a pooled process serves each trial as a fresh one would. Returns what
+        `ready()` returns."""
         self.spec = ExperimentSpec.model_validate(spec)
+        rng, torch_rng, threads = self._fresh_rng
+        random.setstate(rng)
+        torch.set_rng_state(torch_rng)
+        torch.set_num_threads(threads)
+        tags = tags or {}
+        self.trial = f"{tags['experiment'][:8]}-{tags['trial']}" if "trial" in tags else ""
         # Live metrics (`failbench_ray.telemetry`), labelled with the run and this rank.
-        self.metrics = Recorder({**(tags or {}), "rank": str(rank)}, enabled=self.spec.metrics)
+        self.metrics = Recorder({**tags, "rank": str(rank)}, enabled=self.spec.metrics)
         torch.set_num_threads(self.spec.threads_per_worker)
         arch_cls = ARCHITECTURES.get(self.spec.architecture.name)
         self.arch = arch_cls(
@@ -135,7 +180,6 @@ class Worker:
         self.me: Any = None  # this actor's own handle (holders call back on it)
         self.chaos = chaos
         self._peers: dict[int, Any] = {}
-        self.generations = Generations()
         self.abort_handle = AbortHandle()
         self.trainer: Trainer | None = None
         self._restored = False  # the current trainer holds this rank's real state
@@ -143,12 +187,56 @@ class Worker:
         self.generation = -1
         self.step = 0
         self.armed: dict[tuple[str, int], int] = {}
-        self._lock = threading.Lock()
         self._records: list[StepRecord] = []
         self._checkpoints: list[CheckpointEvent] = []
         # Every record also goes to a per-process file as the step ends: a SIGKILL loses the
         # records this rank had not handed over yet, but not what the kernel already holds.
         self._log = open_record_log(self.run_dir, os.getpid())
+        if self.trial:
+            print(f"now rank {rank} of {self.trial}", flush=True)  # the actor's log says whose
+        return self.ready()
+
+    def reset(self) -> str | None:
+        """Shed the trial: its process groups, state, copies and files. Returns None when this
+        process is as a fresh one and can serve another trial, else why it cannot (then the
+        caller ends it): a thread parked in a collective on a dead peer is freed by nothing
+        but that group's timeout (DESIGN.md), and a training thread still running is busy."""
+        if self._running:
+            return "its training thread is still running"
+        stale = sum(h.in_flight() for h in self._handles)
+        if stale:
+            return f"{stale} collective(s) still parked on a dead peer"
+        if getattr(self, "hooks", None) is not None:
+            self.hooks.close()  # e.g. a background checkpoint write still running
+        self.generations.close()
+        self._handles = []
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        for name in ("trainer", "previous", "replicas", "snapshots", "hooks", "_peers", "holders"):
+            self.__dict__.pop(name, None)
+        self.targets, self.chaos, self.me, self.trial = [], None, None, ""
+        gc.collect()  # between trials, off every hot path: modules and optimizers go now
+        return None
+
+    def leftovers(self) -> dict[str, Any]:
+        """What of a trial this process still holds (empty after a clean `reset`)."""
+        held: dict[str, Any] = {
+            name: True
+            for name in ("trainer", "previous", "replicas", "snapshots", "hooks", "holders")
+            if self.__dict__.get(name)
+        }
+        if dist.is_initialized():
+            held["process_group"] = True
+        if self.generations.held():
+            held["old_groups"] = self.generations.held()
+        if self._log is not None:
+            held["record_log"] = self._log.name
+        return held
+
+    def resources(self) -> dict[str, int]:
+        """This process's resident memory (bytes), threads and open files (a leak check)."""
+        return process_resources(os.getpid())
 
     @property
     def name(self) -> str:
@@ -244,6 +332,7 @@ class Worker:
         """Enter a new process-group generation and build a fresh trainer in it."""
         t0 = time.perf_counter()
         self.abort_handle = AbortHandle()
+        self._handles.append(self.abort_handle)
         group = self.generations.join(
             generation=info.generation,
             store_host=info.store_host,
@@ -347,6 +436,14 @@ class Worker:
     def run(self, start: int, end: int, armed: dict[tuple[str, int], int]) -> RunReport:
         """Run steps start..end (inclusive) until done or a peer's death aborts the step."""
         assert self.trainer is not None, "join() before run()"
+        self._running = True
+        try:
+            return self._run(start, end, armed)
+        finally:
+            self._running = False
+
+    def _run(self, start: int, end: int, armed: dict[tuple[str, int], int]) -> RunReport:
+        assert self.trainer is not None
         self.armed = dict(armed)
         handle = self.abort_handle
         for step in range(start, end + 1):

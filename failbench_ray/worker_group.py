@@ -19,6 +19,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from failbench_ray.errors import RecoveryError
+from failbench_ray.pool import WorkerPool
 from failbench_ray.spec import ExperimentSpec
 from failbench_ray.worker import WorkerActor
 
@@ -53,8 +54,11 @@ class WorkerGroup:
         placement: Placement,
         label: str,
         tags: dict[str, str] | None = None,
+        pool: WorkerPool | None = None,
     ) -> None:
         self._spec = spec.model_dump(mode="json")
+        # First ranks and spares from the pool where it serves this trial; replacements never.
+        self.pool = pool if pool and pool.fits(spec.world_size, placement.num_gpus) else None
         self._strategy = spec.placement.upper()
         self._tags = dict(tags or {})
         self.pg: PlacementGroup | None = None
@@ -83,6 +87,32 @@ class WorkerGroup:
                 f"({self._strategy}) within {_PLACEMENT_TIMEOUT_S:g} s: "
                 f"it has {ray.available_resources()} free; lower world_size or add nodes"
             )
+
+    def start_first(self, ranks: list[int]) -> None:
+        """The trial's first actors: pooled processes where the pool serves (each becomes
+        its rank as a fresh one would), else new ones. Not timed as any recovery."""
+        if self.pool is None:
+            self.start(ranks)
+            return
+        nodes = self._bundle_nodes()
+        taken = self.pool.workers([nodes.get(r, "") for r in ranks])
+        new = {}
+        for r, (handle, _) in zip(ranks, taken, strict=True):
+            self.incarnation[r] = 0
+            self.extra.append(handle)
+            new[r] = (handle, handle.configure.remote(*self._args(r)))
+        died = self.wait_started(new)
+        if died:  # a pooled process that died while idle: a new one takes its rank
+            self.start(died)
+
+    def _bundle_nodes(self) -> dict[int, str]:
+        if self.pg is None:
+            return {}
+        table = ray.util.placement_group_table(self.pg)
+        return {int(i): n for i, n in table.get("bundles_to_node_id", {}).items()}
+
+    def _args(self, rank: int) -> tuple[Any, ...]:
+        return (rank, self._spec, self._run_dir, self._chaos, self._tags)
 
     def start(self, ranks: list[int]) -> None:
         """Create (or re-create) the actors of `ranks` and wait until each is up.
@@ -128,6 +158,10 @@ class WorkerGroup:
 
     def start_spare(self, name: str) -> tuple[Any, Any]:
         """A hot spare: a worker with torch imported, no rank yet. (handle, ref of ready())."""
+        if self.pool is not None:  # a standby is warm by design: a pooled process serves
+            ((handle, _),) = self.pool.workers([""])
+            self.extra.append(handle)
+            return handle, handle.configure.remote(*self._args(-1))
         # num_cpus=0: a spare mostly waits; on a small machine it must not block a rank.
         handle = self._create(f"{self._label}-{name}", -1, 0.0)
         self.extra.append(handle)
@@ -152,7 +186,7 @@ class WorkerGroup:
             max_concurrency=len(self._ranks) + 4,
             name=name,
             scheduling_strategy=strategy,
-        ).remote(rank, self._spec, self._run_dir, self._chaos, self._tags)
+        ).remote(*self._args(rank))
 
     def targets(self) -> dict[int, tuple[int, Any, str]]:
         """rank -> (pid, handle, node id): what the chaos actor needs to kill a rank."""
@@ -163,10 +197,19 @@ class WorkerGroup:
             h = self.handles.get(r)
             if h is not None:
                 ray.kill(h, no_restart=True)
+                if self.pool is not None:
+                    self.pool.forget(h)
 
-    def shutdown(self) -> None:
-        self.kill(list(self.handles))
-        for h in self.extra:
+    def shutdown(self, chaos: Any = None) -> None:
+        """End the trial's actors; pooled ones (and `chaos`) go back to the pool, which
+        keeps those that reset cleanly."""
+        actors = list({h._actor_id: h for h in [*self.handles.values(), *self.extra]}.values())
+        if self.pool is not None:
+            self.pool.give_back([h for h in actors if self.pool.owns(h)], chaos)
+            actors = [h for h in actors if not self.pool.owns(h)]
+        elif chaos is not None:
+            actors.append(chaos)
+        for h in actors:
             ray.kill(h, no_restart=True)
         self.handles.clear()
         self.extra.clear()

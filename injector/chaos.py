@@ -40,12 +40,18 @@ class Chaos:
     """Plain class (wrapped by `ChaosActor`) so the logic is readable apart from Ray."""
 
     def __init__(self, events: list[dict[str, Any]]) -> None:
-        self.events = [FailureEvent.model_validate(e) for e in events]
         self._cond = threading.Condition()
+        self._timers: list[threading.Timer] = []
+        self.rearm(events)
+
+    def rearm(self, events: list[dict[str, Any]]) -> None:
+        """Forget the last trial (a pooled chaos actor serves the next one with `events`)."""
+        self.stop()
+        self.events = [FailureEvent.model_validate(e) for e in events]
         self._fired: dict[int, Injection] = {}
         self._arrived: dict[int, set[int]] = {}
         self._targets: dict[int, Target] = {}
-        self._timers: list[threading.Timer] = []
+        self._timers = []
 
     def set_targets(self, targets: dict[int, tuple[Any, ...]]) -> None:
         """rank -> (pid, actor handle, node id) of the current worker of that rank."""

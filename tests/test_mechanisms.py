@@ -327,6 +327,11 @@ def check_cell(arch: str, mechanism: str, failures: dict[str, Any], url: str, ou
     extra = trial.model_extra or {}
     last = trial.failures[-1]
     assert last.phases.caught_up_s is not None, last
+    # How the dead rank came back: a standby (hot spare) is warm, a new process cold; gossip
+    # goes on without it. (Several at once may outnumber the spares: some come back cold.)
+    want = "none" if arch == "gossip" else "warm" if mechanism == "hot_spare" else "cold"
+    if len(trial.failures) == 1 and len(last.ranks) == 1 or want != "warm":
+        assert last.replacement == want, last
     if arch == "gossip":  # gossip goes on without the dead, whatever the mechanism
         assert last.restore_source.startswith("survivors")
         assert trial.match_expected is False

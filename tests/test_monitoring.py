@@ -277,7 +277,7 @@ def test_the_dashboard_names_every_actor_of_a_run(sqlite_url: str, tmp_path: Pat
         mechanism={"name": "inmem_replica", "params": {"interval": 2}},
         failures={"kind": "single", "rank": 1, "at_step": 9},
     )
-    result = run(spec, sqlite_url, tmp_path)
+    result = run(spec, sqlite_url, tmp_path, reuse_workers=False)
     assert result.status == "completed"
     label = f"fb-{result.experiment_id[:8]}-trial0"
     names = {a.get("Name", "") for a in state.actors().values()}
@@ -288,6 +288,17 @@ def test_the_dashboard_names_every_actor_of_a_run(sqlite_url: str, tmp_path: Pat
         f"{label}-holder0",
         f"{label}-chaos",
     } <= names, sorted(n for n in names if n.startswith("fb-"))
+    # Reusing started processes (the default), the first ranks and the chaos actor are the
+    # pool's (named so; each says in its log whose rank it is now), the replacement still
+    # the trial's.
+    result = run(spec, sqlite_url, tmp_path)
+    assert result.status == "completed"
+    label = f"fb-{result.experiment_id[:8]}-trial0"
+    names = {a.get("Name", "") for a in state.actors().values()}
+    assert {f"{label}-rank1-i1", f"{label}-holder0"} <= names
+    assert f"{label}-rank0-i0" not in names
+    assert any(n.startswith("fb-pool-") and "-w" in n for n in names)
+    assert any(n.startswith("fb-pool-") and "-chaos" in n for n in names)
 
 
 def test_serve_dashboard_starts_rays_dashboard_on_loopback_with_token_auth(

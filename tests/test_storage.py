@@ -30,7 +30,7 @@ TABLES = {
     "experiments", "trials", "step_records", "recovery_events", "checkpoint_events",
     "sweeps", "sweep_cells", "dispatchers",
 }  # fmt: skip
-HEAD = "0003"
+HEAD = "0004"
 T0 = 1_736_000_000.0  # epoch seconds: single precision would round these to 128 s
 
 
@@ -60,7 +60,19 @@ def failures() -> list[FailureRecord]:
     )
     partial = {**dict.fromkeys(PHASES), "detected": T0 * 1e-9, "quiesced": 0.5}
     return [
-        FailureRecord(0, [1], "sigkill", "step=125", 125, T0 + 31.3, "abort", "disk", 100, full),
+        FailureRecord(
+            0,
+            [1],
+            "sigkill",
+            "step=125",
+            125,
+            T0 + 31.3,
+            "abort",
+            "disk",
+            100,
+            full,
+            replacement="cold",
+        ),
         FailureRecord(1, [0, 1], "node", "during=restoring", 100, T0 + 33.7, phases=partial),
     ]
 

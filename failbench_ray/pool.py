@@ -1,0 +1,208 @@
+"""A pool of started worker processes that trial after trial reuse (what a sweep mostly paid
+for was starting processes and importing torch, not training).
+
+What is reused, and what never is:
+- A trial's first ranks and hot spares come from the pool: processes with torch imported and
+  no state. `Worker.configure` makes each one its rank as a fresh process would be (random
+  state, threads, trainer, files); `Worker.reset` sheds the trial and says whether it could
+  (a thread parked in a collective on a dead peer is freed by nothing: that process ends).
+- A replacement for a dead rank is always a new, cold process (a fresh interpreter that
+  imports torch inside the measured recovery): it is never taken from here.
+- The chaos actor is pooled too; it is re-armed with each trial's events.
+
+Pooled processes ask Ray for no CPU (`num_cpus=0`): the trial's placement group still reserves
+a bundle per rank, and a pooled process runs on the node of the bundle it serves, so placement
+and reservation are the trial's, as with fresh actors. GPU ranks are never pooled (Ray binds a
+GPU to an actor when it starts).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+log = logging.getLogger("failbench.pool")
+
+# Threads of a pooled worker's default group: the training thread, the driver's calls and one
+# per peer (a parameter server serves every worker at once). Trials with more ranks than this
+# allows start fresh actors sized for them.
+POOL_CONCURRENCY = 36
+_MAX_IDLE = 16  # idle processes kept; more are ended (each holds a few hundred MB)
+_RESET_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """What the pool did so far (a sweep reports it)."""
+
+    started: int  # processes the pool started
+    reused: int  # times an idle process served another trial
+    ended: int  # processes ended because they could not be reset (or too many were idle)
+    idle: int
+
+
+class WorkerPool:
+    """Idle worker processes by Ray node, plus one idle chaos actor. Thread-safe: several
+    dispatcher threads take from and give back to one pool."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: dict[str, list[Any]] = defaultdict(list)  # node id -> idle workers
+        self._chaos: list[Any] = []
+        self._mine: set[Any] = set()  # actor ids of every live process the pool made
+        self._names = itertools.count()
+        self._prefix = f"fb-pool-{os.getpid()}"
+        self.started = self.reused = self.ended = 0
+
+    def fits(self, world_size: int, num_gpus: float) -> bool:
+        return num_gpus == 0 and world_size + 4 <= POOL_CONCURRENCY
+
+    def owns(self, handle: Any) -> bool:
+        return handle._actor_id in self._mine
+
+    # -- taking ----------------------------------------------------------------------------
+    def workers(self, nodes: list[str]) -> list[tuple[Any, bool]]:
+        """A worker process on each of `nodes` (in order): (handle, reused). An idle one
+        where there is one, else a new one (not waited for: its first call waits)."""
+        out = []
+        with self._lock:
+            for node in nodes:
+                if self._idle[node]:
+                    out.append((self._idle[node].pop(), True))
+                    self.reused += 1
+                else:
+                    out.append((self._new_worker(node), False))
+        return out
+
+    def _new_worker(self, node: str) -> Any:
+        from failbench_ray.worker import WorkerActor
+
+        strategy = NodeAffinitySchedulingStrategy(node, soft=False) if node else None
+        handle = WorkerActor.options(  # type: ignore[attr-defined]
+            num_cpus=0,
+            max_concurrency=POOL_CONCURRENCY,
+            name=f"{self._prefix}-w{next(self._names)}",
+            scheduling_strategy=strategy,
+        ).remote()
+        self._mine.add(handle._actor_id)
+        self.started += 1
+        return handle
+
+    def chaos(self, events: list[dict[str, Any]], home: str) -> Any:
+        """The chaos actor, armed with `events`, on node `home` where possible."""
+        from injector.chaos import ChaosActor
+
+        with self._lock:
+            handle = self._chaos.pop() if self._chaos else None
+        if handle is not None:
+            try:
+                ray.get(handle.rearm.remote(events), timeout=_RESET_TIMEOUT_S)
+                return handle
+            except (RayActorError, GetTimeoutError):
+                self._end([handle])
+        handle = ChaosActor.options(  # type: ignore[attr-defined]
+            name=f"{self._prefix}-chaos{next(self._names)}",
+            scheduling_strategy=NodeAffinitySchedulingStrategy(home, soft=True) if home else None,
+        ).remote(events)
+        with self._lock:
+            self._mine.add(handle._actor_id)
+        return handle
+
+    # -- giving back -----------------------------------------------------------------------
+    def give_back(self, workers: list[Any], chaos: Any = None) -> None:
+        """Reset `workers` (pooled ones; dead ones are forgotten) and keep those that can
+        serve again; end the others."""
+        workers = [h for h in workers if self.owns(h)]
+        if chaos is not None and self.owns(chaos):
+            chaos.stop.remote()
+            with self._lock:
+                self._chaos.append(chaos)
+        refs = {h: (h.reset.remote(), h.ready.remote()) for h in workers}
+        keep, end = [], []
+        for h, (reset_ref, ready_ref) in refs.items():
+            try:
+                why = ray.get(reset_ref, timeout=_RESET_TIMEOUT_S)
+                node = ray.get(ready_ref, timeout=_RESET_TIMEOUT_S)["node_id"]
+            except (RayActorError, GetTimeoutError) as err:
+                why, node = f"did not answer ({type(err).__name__})", ""
+            if why is None:
+                keep.append((node, h))
+            else:
+                log.info("ending pooled worker %s: %s", h, why)
+                end.append(h)
+        with self._lock:
+            for node, h in keep:
+                if sum(map(len, self._idle.values())) < _MAX_IDLE:
+                    self._idle[node].append(h)
+                else:
+                    end.append(h)
+        self._end(end)
+
+    def forget(self, handle: Any) -> None:
+        """A pooled process that was killed (a failure, or its survivors ended)."""
+        with self._lock:
+            self._mine.discard(handle._actor_id)
+
+    def _end(self, handles: list[Any]) -> None:
+        for h in handles:
+            with self._lock:
+                self._mine.discard(h._actor_id)
+                self.ended += 1
+            ray.kill(h, no_restart=True)
+
+    def idle_workers(self) -> list[Any]:
+        with self._lock:
+            return [h for hs in self._idle.values() for h in hs]
+
+    def idle_actor_ids(self) -> set[str]:
+        with self._lock:
+            hs = [h for hs in self._idle.values() for h in hs] + self._chaos
+        return {h._actor_id.hex() for h in hs}
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            idle = sum(map(len, self._idle.values()))
+        return PoolStats(self.started, self.reused, self.ended, idle)
+
+    def shutdown(self) -> None:
+        """End every idle process (a process still lent to a trial ends with the trial)."""
+        with self._lock:
+            idle = [h for hs in self._idle.values() for h in hs] + self._chaos
+            self._idle.clear()
+            self._chaos = []
+        for h in idle:
+            ray.kill(h, no_restart=True)
+        with self._lock:
+            self._mine -= {h._actor_id for h in idle}
+
+
+_POOL: tuple[str, WorkerPool] | None = None  # (the Ray job it belongs to, the pool)
+_POOL_LOCK = threading.Lock()
+
+
+def shared_pool() -> WorkerPool:
+    """This driver's pool, made on first use in each Ray connection (its processes die with
+    the connection; `shutdown_shared_pool` ends them before)."""
+    global _POOL
+    job = ray.get_runtime_context().get_job_id()
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[0] != job:
+            _POOL = (job, WorkerPool())
+        return _POOL[1]
+
+
+def shutdown_shared_pool() -> None:
+    global _POOL
+    with _POOL_LOCK:
+        held, _POOL = _POOL, None
+    if held is not None and ray.is_initialized():
+        held[1].shutdown()

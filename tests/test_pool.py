@@ -1,0 +1,103 @@
+"""Reusing started worker processes changes nothing a trial measures or computes.
+
+A pooled process serves trial after trial (`failbench_ray.pool`); a replacement for a dead
+rank is still a new process. Run one cell on fresh processes and on reused ones: the same
+digests, losses, restored steps and set of recovery phases, and the failure says `cold`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from failbench_ray import results
+from failbench_ray.pool import shared_pool
+from failbench_ray.results import ExperimentResult
+from failbench_ray.storage import repo
+from failbench_ray.storage.db import Database
+from tests.test_engine import run
+
+# hybrid dp 2 x pp 2: a DeviceMesh, pipeline schedules and data parallel in every process,
+# so what a process keeps between trials (torch's distributed globals) is exercised.
+CELL: dict[str, Any] = {
+    "architecture": {"name": "hybrid", "params": {"dp": 2, "pp": 2}},
+    "world_size": 4,
+    "model": {"kind": "mlp", "input_dim": 16, "hidden_dim": 32, "depth": 3},
+    "optimizer": {"name": "adam", "lr": 0.01},
+    "steps": 16,
+    "batch_size": 16,
+    "mechanism": {"name": "disk_ckpt", "params": {"interval": 5}},
+    "failures": {"kind": "single", "rank": 1, "at_step": 12},
+    "warmup_steps": 1,
+    "pg_timeout_s": 60,
+}
+
+
+def _reading(result: ExperimentResult, url: str) -> dict[str, Any]:
+    """What must not depend on where the processes came from."""
+    assert result.status == "completed", [t.error for t in result.trials]
+    assert result.baseline is not None
+    trial = result.trials[0]
+    db = Database(url)
+    try:
+        with db.session() as s:
+            ids = [t.id for t in repo.get_experiment(s, result.experiment_id).trials]
+            losses = [results.step_losses(repo.load_step_records(s, i)) for i in sorted(ids)]
+    finally:
+        db.dispose()
+    return {
+        "baseline_digest": result.baseline.params_digest,
+        "trial_digest": trial.params_digest,
+        "matches_baseline": trial.matches_baseline,
+        "losses": losses,
+        "failures": [
+            (
+                f.ranks,
+                f.injected_at_step,
+                f.restored_from_step,
+                f.lost_steps,
+                f.replacement,
+                f.restore_source,
+                sorted(k for k, v in f.phases.model_dump().items() if v is not None),
+            )
+            for f in trial.failures
+        ],
+    }
+
+
+@pytest.mark.usefixtures("no_leaks")
+def test_a_cell_reads_the_same_on_fresh_and_on_reused_processes(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    fresh = _reading(run(CELL, sqlite_url, tmp_path, reuse_workers=False), sqlite_url)
+    pool = shared_pool()
+    run(CELL, sqlite_url, tmp_path)  # leaves processes that trained this cell in the pool
+    before = pool.stats()
+    reused = _reading(run(CELL, sqlite_url, tmp_path), sqlite_url)
+    after = pool.stats()
+    # Processes that had served a trial before: some of the baseline's (the earlier trial's
+    # survivors that reset clean) and every rank of the trial (the baseline's, no failure).
+    assert before.idle >= 1
+    assert after.reused - before.reused >= CELL["world_size"] + 1, (before, after)
+    assert reused == fresh
+    (failure,) = fresh["failures"]
+    assert failure[4] == "cold"  # the replacement is a new process, pool or not
+    assert fresh["matches_baseline"] is True
+
+
+@pytest.mark.usefixtures("no_leaks")
+def test_the_pool_keeps_only_processes_that_reset_clean(sqlite_url: str, tmp_path: Path) -> None:
+    """DDP survivors abort the all-reduce the killed rank never joined; a survivor whose
+    collective is still parked in gloo cannot be freed, so the pool ends it; every process
+    it keeps holds nothing of the trial (no trainer, no process group, no file)."""
+    spec = {**CELL, "architecture": "ddp", "world_size": 4}
+    pool = shared_pool()
+    run(spec, sqlite_url, tmp_path)
+    import ray
+
+    for handle in pool.idle_workers():
+        assert ray.get(handle.reset.remote()) is None  # nothing left to shed
+        assert ray.get(handle.leftovers.remote()) == {}
+    assert pool.stats().idle >= 1
