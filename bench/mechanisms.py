@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import statistics
@@ -310,7 +311,7 @@ def goal_hot_spare_recovery(env: Env, cfg: BenchConfig) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 # The whole paper matrix, one trial per cell
 
-PAPER_MATRIX_GOAL_S = 45 * 60
+PAPER_MATRIX_GOAL_S = 20 * 60
 PAPER_MATRIX_LIMIT_S = 75 * 60
 
 
@@ -351,10 +352,12 @@ def goal_paper_matrix(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
         # (`failbench show ID --db sqlite:///bench/paper_matrix.db`).
         kept = REPO / "bench" / "paper_matrix.db"
         shutil.copyfile(out / "matrix.db", kept)
+    pool = report.get("pool") if report else None
     return _status(
         {
             "goal": goal,
             "met": rc == 0 and wall < PAPER_MATRIX_GOAL_S,
+            "pool": pool,
             "wall_s": wall,
             "exit_code": rc,
             "cells_by_status": counts,
@@ -362,5 +365,89 @@ def goal_paper_matrix(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
             "cells_sharing_a_baseline": shared,
             "database_kept": str(kept) if kept else None,
             "output_tail": "" if report else output[-3000:],
+        }
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Reusing worker processes leaks nothing
+
+LEAK_TOLERANCE = 0.10  # within 10% of the values after cell 5
+LEAK_REFERENCE_CELL = 5
+LEAK_LIMIT_S = 40 * 60
+
+
+def leak_verdict(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """From `failbench sweep --resource-log` lines: the driver's and each pooled worker's
+    memory, threads and open files at the end against after cell 5 (workers compared by pid:
+    one that was ended meanwhile has no end value), and any actor alive between cells."""
+    if len(samples) <= LEAK_REFERENCE_CELL:
+        return {"met": False, "why": f"only {len(samples)} cells logged"}
+    ref, end = samples[LEAK_REFERENCE_CELL - 1], samples[-1]
+    keys = ("rss_bytes", "threads", "open_files")
+
+    def ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
+        return {k: b[k] / a[k] for k in keys if a.get(k)}
+
+    driver = ratios(ref["driver"], end["driver"])
+    at_end = {w["pid"]: w for w in end["pooled"]}
+    workers = {
+        str(w["pid"]): ratios(w, at_end[w["pid"]]) for w in ref["pooled"] if w["pid"] in at_end
+    }
+    alive = {s["cell"]: s["other_actors_alive"] for s in samples if s["other_actors_alive"]}
+    worst = max([*driver.values(), *(r for w in workers.values() for r in w.values())])
+    flat = all(
+        abs(r - 1) <= LEAK_TOLERANCE
+        for r in [*driver.values()] + [r for w in workers.values() for r in w.values()]
+    )
+    return {
+        "met": flat and not alive and bool(workers),
+        "cells": len(samples),
+        "driver_after_cell5": {k: ref["driver"][k] for k in keys},
+        "driver_at_end": {k: end["driver"][k] for k in keys},
+        "driver_ratio": driver,
+        "workers_compared": len(workers),
+        "worker_ratios": workers,
+        "worst_ratio": worst,
+        "actors_alive_between_cells": alive,
+        "pool_at_end": {k: end[k] for k in ("started", "reused", "ended", "idle")},
+    }
+
+
+def goal_pool_leaks(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
+    """`failbench sweep bench/leak_sweep.yaml --resource-log`: 54 cells on reused processes."""
+    import sys
+
+    from bench.run import REPO, _timed_command
+
+    goal = (
+        "after a 54-cell sweep, driver and pooled workers' RSS, threads and open files within "
+        f"{LEAK_TOLERANCE:.0%} of their values after cell {LEAK_REFERENCE_CELL}; no actor of "
+        "an earlier cell alive"
+    )
+    if cfg.quick:
+        return {"goal": goal, "met": None, "status": "not measured", "note": "--quick"}
+    out = tmp / "pool_leaks"
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "resources.jsonl"
+    failbench = Path(sys.executable).parent / "failbench"
+    cmd = [str(failbench), "sweep", str(REPO / "bench" / "leak_sweep.yaml"), "--json"]
+    cmd += ["--db", f"sqlite:///{out}/leaks.db", "--out", str(out)]
+    cmd += ["--resource-log", str(log_path)]
+    rc, wall, output = _timed_command(cmd, LEAK_LIMIT_S)
+    samples = (
+        [json.loads(line) for line in log_path.read_text().splitlines()]
+        if (log_path.exists())
+        else []
+    )
+    verdict = leak_verdict(samples)
+    verdict["met"] = bool(verdict["met"]) and rc == 0
+    return _status(
+        {
+            "goal": goal,
+            "wall_s": wall,
+            "exit_code": rc,
+            **verdict,
+            "output_tail": "" if rc == 0 else output[-3000:],
         }
     )

@@ -683,7 +683,21 @@ def mechanism_lines(g: dict[str, Any], line: Callable[[str, str], None]) -> list
             line(
                 "paper_matrix",
                 f"{m.get('wall_s', 0) / 60:.1f} min, exit {m.get('exit_code')}, cells "
-                f"{m.get('cells_by_status')} (goal < 45 min)",
+                f"{m.get('cells_by_status')}, pool {m.get('pool')} (goal < 20 min)",
+            )
+    if "pool_leaks" in g:
+        m = g["pool_leaks"]
+        if m["status"] == "not measured":
+            line("pool_leaks", "skipped with --quick")
+        else:
+            d = m.get("driver_ratio", {})
+            line(
+                "pool_leaks",
+                f"{m.get('cells')} cells in {m.get('wall_s', 0) / 60:.1f} min: driver end/cell5 "
+                + ", ".join(f"{k} {v:.3f}x" for k, v in d.items())
+                + f"; {m.get('workers_compared')} pooled workers, worst ratio "
+                f"{m.get('worst_ratio', 0):.3f}x; actors alive between cells: "
+                f"{len(m.get('actors_alive_between_cells', {}))} (goal within 10%, none)",
             )
     return []
 
@@ -829,9 +843,15 @@ def run_bench(cfg: BenchConfig, tmp: Path, only: set[str] | None = None) -> dict
         ),
         (
             "paper_matrix",
-            "the paper matrix < 45 min",
+            "the paper matrix < 20 min",
             False,
             lambda env: mech.goal_paper_matrix(tmp, cfg),
+        ),
+        (
+            "pool_leaks",
+            "reused processes: RSS, threads, open files flat over a 54-cell sweep",
+            False,
+            lambda env: mech.goal_pool_leaks(tmp, cfg),
         ),
     ]
     unknown = (only or set()) - {name for name, *_ in table}

@@ -9,7 +9,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,12 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
+
+
+_FRESH_HELP = (
+    "start new worker processes for every trial instead of reusing started ones "
+    "(a replacement for a dead rank is a new process either way)"
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
     run.add_argument("--keep-checkpoints", action="store_true", help="keep checkpoint files")
     run.add_argument("-v", "--verbose", action="store_true", help="show the workers' logs")
+    run.add_argument("--fresh-workers", action="store_true", help=_FRESH_HELP)
 
     sweep = sub.add_parser("sweep", help="run a grid of experiments; run it again to resume")
     sweep.add_argument("sweep", type=Path, help="sweep file (name, base, grid), YAML or JSON")
@@ -47,6 +54,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     sweep.add_argument(
         "--retry-failed", action="store_true", help="run the cells that failed again"
+    )
+    sweep.add_argument("--fresh-workers", action="store_true", help=_FRESH_HELP)
+    sweep.add_argument(
+        "--resource-log",
+        type=Path,
+        help="append a JSON line after each cell: the driver's and every idle pooled "
+        "worker's memory, threads and open files, and any actor still alive (a leak check)",
     )
 
     show = sub.add_parser("show", help="show a stored experiment's result")
@@ -199,7 +213,12 @@ def _run(args: argparse.Namespace) -> int:
     try:
         with _progress() as progress:
             result = run_experiment(
-                spec, db=db, out_dir=args.out, progress=progress, on_created=created.append
+                spec,
+                db=db,
+                out_dir=args.out,
+                progress=progress,
+                on_created=created.append,
+                reuse_workers=not args.fresh_workers,
             )
     except KeyboardInterrupt:
         which = f"experiment {created[0]}" if created else "the experiment"
@@ -213,6 +232,24 @@ def _run(args: argparse.Namespace) -> int:
         db.dispose()
         sys.stdout = result_out
     return _report(result.model_dump(mode="json"), args.json)
+
+
+def _after_cell(
+    done: Callable[[Any, str], None], resource_log: Path | None
+) -> Callable[[Any, str], None]:
+    """`done`, then (with a resource log) one JSON line of `WorkerPool.resources()`."""
+    if resource_log is None:
+        return done
+
+    def after(cell: Any, status: str) -> None:
+        from failbench_ray.pool import shared_pool
+
+        done(cell, status)
+        sample = {"cell": cell.key, "status": status, **shared_pool().resources()}
+        with resource_log.open("a") as f:
+            f.write(json.dumps(sample) + "\n")
+
+    return after
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -240,14 +277,22 @@ def _sweep(args: argparse.Namespace) -> int:
                     out_dir=args.out,
                     progress=progress.trial,
                     on_cell=progress.start,
-                    on_done=progress.done,
+                    on_done=_after_cell(progress.done, args.resource_log),
                     share_baselines=sweep.share_baselines,
+                    reuse_workers=not args.fresh_workers,
                 )
             sys.stdout = result_out
         else:
             sw.run_pending(db, sweep_id, cells)  # nothing to run: only the sweep's status
 
-        return _sweep_report(sw.report(db, sweep_id), args.json)
+        report = sw.report(db, sweep_id)
+        if started:  # what reusing processes did in this run (a joined cluster's is shared)
+            from dataclasses import asdict
+
+            from failbench_ray.pool import shared_pool
+
+            report["pool"] = asdict(shared_pool().stats())
+        return _sweep_report(report, args.json)
     except KeyboardInterrupt:
         err.print("interrupted: every actor stopped; the current cell is pending again")
         return EXIT_INTERRUPTED

@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import ray
@@ -38,6 +38,20 @@ log = logging.getLogger("failbench.pool")
 POOL_CONCURRENCY = 36
 _MAX_IDLE = 16  # idle processes kept; more are ended (each holds a few hundred MB)
 _RESET_TIMEOUT_S = 30.0
+
+
+def process_resources(pid: int) -> dict[str, int]:
+    """Resident memory (bytes), threads and open files of a Linux process, from /proc."""
+    fields = {}
+    for line in open(f"/proc/{pid}/status").read().splitlines():  # noqa: SIM115
+        key, _, value = line.partition(":")
+        fields[key] = value.split()
+    return {
+        "pid": pid,
+        "rss_bytes": int(fields["VmRSS"][0]) * 1024,
+        "threads": int(fields["Threads"][0]),
+        "open_files": len(os.listdir(f"/proc/{pid}/fd")),
+    }
 
 
 @dataclass(frozen=True)
@@ -167,6 +181,27 @@ class WorkerPool:
         with self._lock:
             hs = [h for hs in self._idle.values() for h in hs] + self._chaos
         return {h._actor_id.hex() for h in hs}
+
+    def resources(self) -> dict[str, Any]:
+        """A leak check between trials: the driver's and each idle pooled worker's memory,
+        threads and open files, and how many other actors are still alive (a trial that is
+        over must leave none)."""
+        from ray._private import state
+
+        idle = self.idle_workers()
+        pooled = ray.get([h.resources.remote() for h in idle], timeout=_RESET_TIMEOUT_S)
+        mine = self.idle_actor_ids()
+        others = [
+            a.get("Name", "")
+            for aid, a in state.actors().items()
+            if a["State"] != "DEAD" and a.get("ActorID", aid) not in mine
+        ]
+        return {
+            "driver": process_resources(os.getpid()),
+            "pooled": pooled,
+            "other_actors_alive": others,
+            **asdict(self.stats()),
+        }
 
     def stats(self) -> PoolStats:
         with self._lock:

@@ -380,6 +380,7 @@ def run_pending(
     on_cell: Callable[[Cell], None] = lambda cell: None,
     on_done: Callable[[Cell, str], None] = lambda cell, status: None,
     share_baselines: bool = True,
+    reuse_workers: bool = True,
 ) -> None:
     """Run every pending cell on the connected Ray cluster, in order. A cell that fails is
     recorded and the sweep goes on; Ctrl-C puts the current cell back to pending.
@@ -406,7 +407,7 @@ def run_pending(
         bkey = baseline_key(cell.spec)
         try:
             status, experiment_id = _run_cell(
-                db, sweep_id, cell, out_dir, progress, baselines.get(bkey)
+                db, sweep_id, cell, out_dir, progress, baselines.get(bkey), reuse_workers
             )
         except KeyboardInterrupt:
             with db.session() as s:
@@ -436,6 +437,7 @@ def _run_cell(
     out_dir: Path,
     progress: ProgressFn,
     baseline_of: str | None,
+    reuse_workers: bool = True,
 ) -> tuple[str, str | None]:
     """Run one claimed cell; return its final status (completed or failed) and experiment."""
     from failbench_ray.runner import run_experiment
@@ -458,6 +460,7 @@ def _run_cell(
             progress=progress,
             on_created=created,
             baseline_of=baseline_of,
+            reuse_workers=reuse_workers,
         )
     except Exception as err:  # a broken cell must not stop the sweep; its reason says why
         status, reason = "failed", f"{type(err).__name__}: {err}"

@@ -31,6 +31,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from architectures import ARCHITECTURES
 from architectures.base import Trainer, WorkerContext
 from failbench_ray.comm import AbortHandle, CollectiveAborted, Generations
+from failbench_ray.pool import process_resources
 from failbench_ray.records import CheckpointEvent, StepRecord
 from failbench_ray.spec import ExperimentSpec
 from failbench_ray.telemetry import Recorder
@@ -40,19 +41,6 @@ from mechanisms.base import HookContext, Hooks, RestoreInstruction
 from mechanisms.replication import Packed, ReplicaStore, pack, unpack
 
 _FAILPOINT_WAIT_S = 120.0
-
-
-def process_resources(pid: int) -> dict[str, int]:
-    """Resident memory (bytes), threads and open files of a Linux process, from /proc."""
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        fields[key] = value.split()
-    return {
-        "rss_bytes": int(fields["VmRSS"][0]) * 1024,
-        "threads": int(fields["Threads"][0]),
-        "open_files": len(os.listdir(f"/proc/{pid}/fd")),
-    }
 
 
 @dataclass(frozen=True)

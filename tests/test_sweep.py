@@ -466,10 +466,24 @@ def experiments(db_url: str) -> dict[str, tuple[str, str | None]]:
 def test_sweep_runs_every_cell_then_resumes_where_it_stopped(tmp_path: Path) -> None:
     path = write_sweep(tmp_path / "small.yaml", SMALL)
     url = f"sqlite:///{tmp_path / 'fb.db'}"
-    first = failbench("sweep", str(path), "--db", url, "--json", cwd=tmp_path)
+    log = tmp_path / "resources.jsonl"
+    first = failbench(
+        "sweep", str(path), "--db", url, "--json", "--resource-log", str(log), cwd=tmp_path
+    )
     assert first.returncode == 0, first.stderr
     report = json.loads(first.stdout)
     assert report["status"] == "completed"
+    # Trials reused started processes, and no cell left an actor behind.
+    assert report["pool"]["reused"] > 0
+    samples = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [s["cell"] for s in samples] == [
+        "ddp/none/single", "ddp/disk_ckpt/single", "pipeline/none/single",
+        "pipeline/disk_ckpt/single",
+    ]  # fmt: skip
+    for s in samples:
+        assert s["other_actors_alive"] == [], s
+        assert s["driver"]["rss_bytes"] > 0 and s["driver"]["threads"] > 0
+        assert all(w["open_files"] > 0 for w in s["pooled"]) and s["idle"] == len(s["pooled"])
     assert report["progress"] == {
         "pending": 0, "running": 0, "completed": 4, "failed": 0, "skipped": 2
     }  # fmt: skip
