@@ -12,6 +12,7 @@ dropping its last reference runs a destructor that waits out the stale collectiv
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -39,17 +40,27 @@ class AbortHandle:
         self._pending: list[tuple[torch.futures.Future, Any]] = []
         self._events: list[threading.Event] = []  # what `wait()` callers block on
         self._works: list[dist.Work] = []  # launched through this handle, maybe still running
+        self._launched: list[float] = []  # when each of them was launched
 
     def _track(self, work: dist.Work) -> None:
         """Keep `work` (and forget finished ones) so `in_flight` can tell a stale one."""
-        self._works = [w for w in self._works if not w.is_completed()]
-        self._works.append(work)
+        pairs = zip(self._works, self._launched, strict=True)
+        kept = [(w, t) for w, t in pairs if not w.is_completed()]
+        self._works = [w for w, _ in kept] + [work]
+        self._launched = [t for _, t in kept] + [time.monotonic()]
 
     def in_flight(self) -> int:
         """Collectives launched through this handle that have not finished: an aborted one
         stays parked on its dead peer (inside gloo) until the group's timeout."""
         with self._lock:
             return sum(not w.is_completed() for w in self._works)
+
+    def oldest_in_flight(self) -> float | None:
+        """When (`time.monotonic()`) the oldest unfinished collective was launched, if any:
+        it times out `pg_timeout_s` after that, and only then frees its thread."""
+        with self._lock:
+            pairs = zip(self._works, self._launched, strict=True)
+            return min((t for w, t in pairs if not w.is_completed()), default=None)
 
     @property
     def failed(self) -> bool:

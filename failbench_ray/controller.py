@@ -179,7 +179,9 @@ class TrialController:
         try:
             while self.state not in (State.FINISHED, State.FAILED):
                 self._check_stop()
+                t0, was = time.monotonic(), self.state
                 self.state = handlers[self.state]()
+                log.debug("%s: %s took %.3f s", self.label, was.value, time.monotonic() - t0)
         except RecoveryError as err:
             self.state, self.outcome.error = State.FAILED, str(err)
         finally:

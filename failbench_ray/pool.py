@@ -4,8 +4,9 @@ for was starting processes and importing torch, not training).
 What is reused, and what never is:
 - A trial's first ranks and hot spares come from the pool: processes with torch imported and
   no state. `Worker.configure` makes each one its rank as a fresh process would be (random
-  state, threads, trainer, files); `Worker.reset` sheds the trial and says whether it could
-  (a thread parked in a collective on a dead peer is freed by nothing: that process ends).
+  state, threads, trainer, files); `Worker.reset` sheds the trial and says whether it could.
+  A thread parked in a collective on a dead peer is freed by nothing but that group's
+  timeout: such a process is parked until then and reset again, or ended if that is far.
 - A replacement for a dead rank is always a new, cold process (a fresh interpreter that
   imports torch inside the measured recovery): it is never taken from here.
 - The chaos actor is pooled too; it is re-armed with each trial's events.
@@ -22,6 +23,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -38,6 +40,9 @@ log = logging.getLogger("failbench.pool")
 POOL_CONCURRENCY = 36
 _MAX_IDLE = 16  # idle processes kept; more are ended (each holds a few hundred MB)
 _RESET_TIMEOUT_S = 30.0
+# A process parked on a dead peer is kept for another trial if its collective times out
+# within this (the paper matrix's 60 s pg_timeout_s does; torch's 30 min default does not).
+_MAX_PARK_S = 180.0
 
 
 def process_resources(pid: int) -> dict[str, int]:
@@ -55,13 +60,23 @@ def process_resources(pid: int) -> dict[str, int]:
 
 
 @dataclass(frozen=True)
+class ResetOutcome:
+    """What `Worker.reset` says: None, reset and reusable; else why not, and (a collective
+    parked on a dead peer) in how many seconds its timeout will have freed the thread."""
+
+    reason: str | None
+    retry_in_s: float | None = None
+
+
+@dataclass(frozen=True)
 class PoolStats:
     """What the pool did so far (a sweep reports it)."""
 
     started: int  # processes the pool started
     reused: int  # times an idle process served another trial
-    ended: int  # processes ended because they could not be reset (or too many were idle)
+    ended: int  # processes let go: dead, not resettable, or more than the pool keeps
     idle: int
+    parked: int  # waiting for a stale collective's timeout before they are reset again
 
 
 class WorkerPool:
@@ -72,6 +87,7 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._idle: dict[str, list[Any]] = defaultdict(list)  # node id -> idle workers
         self._chaos: list[Any] = []
+        self._parked: list[tuple[float, str, Any]] = []  # (retry at, node, worker)
         self._mine: set[Any] = set()  # actor ids of every live process the pool made
         self._names = itertools.count()
         self._prefix = f"fb-pool-{os.getpid()}"
@@ -87,6 +103,7 @@ class WorkerPool:
     def workers(self, nodes: list[str]) -> list[tuple[Any, bool]]:
         """A worker process on each of `nodes` (in order): (handle, reused). An idle one
         where there is one, else a new one (not waited for: its first call waits)."""
+        self._revive()
         out = []
         with self._lock:
             for node in nodes:
@@ -140,26 +157,51 @@ class WorkerPool:
             chaos.stop.remote()
             with self._lock:
                 self._chaos.append(chaos)
+        self._settle(workers)
+
+    def _settle(self, workers: list[Any]) -> None:
+        """Reset each of `workers`: idle if it could, parked if a stale collective's timeout
+        will free it, else ended."""
         refs = {h: (h.reset.remote(), h.ready.remote()) for h in workers}
-        keep, end = [], []
+        keep, park, end = [], [], []
+        now = time.monotonic()
         for h, (reset_ref, ready_ref) in refs.items():
             try:
-                why = ray.get(reset_ref, timeout=_RESET_TIMEOUT_S)
+                out: ResetOutcome = ray.get(reset_ref, timeout=_RESET_TIMEOUT_S)
                 node = ray.get(ready_ref, timeout=_RESET_TIMEOUT_S)["node_id"]
             except (RayActorError, GetTimeoutError) as err:
-                why, node = f"did not answer ({type(err).__name__})", ""
-            if why is None:
+                out, node = ResetOutcome(f"did not answer ({type(err).__name__})"), ""
+            if out.reason is None:
                 keep.append((node, h))
+            elif out.retry_in_s is not None and out.retry_in_s <= _MAX_PARK_S:
+                park.append((now + out.retry_in_s, node, h))
             else:
-                log.info("ending pooled worker %s: %s", h, why)
+                log.info("ending pooled worker %s: %s", h, out.reason)
                 end.append(h)
         with self._lock:
+            room = _MAX_IDLE - sum(map(len, self._idle.values())) - len(self._parked)
             for node, h in keep:
-                if sum(map(len, self._idle.values())) < _MAX_IDLE:
+                if room > 0:
                     self._idle[node].append(h)
+                    room -= 1
                 else:
                     end.append(h)
+            for entry in park:
+                if room > 0:
+                    self._parked.append(entry)
+                    room -= 1
+                else:
+                    end.append(entry[2])
         self._end(end)
+
+    def _revive(self) -> None:
+        """Reset again the parked workers whose stale collectives have timed out."""
+        now = time.monotonic()
+        with self._lock:
+            due = [h for t, _, h in self._parked if t <= now]
+            self._parked = [p for p in self._parked if p[0] > now]
+        if due:
+            self._settle(due)
 
     def forget(self, handle: Any) -> None:
         """A pooled process that was killed (a failure, or its survivors ended)."""
@@ -178,8 +220,10 @@ class WorkerPool:
             return [h for hs in self._idle.values() for h in hs]
 
     def idle_actor_ids(self) -> set[str]:
+        """Idle and parked processes and the idle chaos actor: alive between trials."""
         with self._lock:
             hs = [h for hs in self._idle.values() for h in hs] + self._chaos
+            hs += [h for _, _, h in self._parked]
         return {h._actor_id.hex() for h in hs}
 
     def resources(self) -> dict[str, Any]:
@@ -206,14 +250,16 @@ class WorkerPool:
     def stats(self) -> PoolStats:
         with self._lock:
             idle = sum(map(len, self._idle.values()))
-        return PoolStats(self.started, self.reused, self.ended, idle)
+            parked = len(self._parked)
+        return PoolStats(self.started, self.reused, self.ended, idle, parked)
 
     def shutdown(self) -> None:
         """End every idle process (a process still lent to a trial ends with the trial)."""
         with self._lock:
             idle = [h for hs in self._idle.values() for h in hs] + self._chaos
+            idle += [h for _, _, h in self._parked]
             self._idle.clear()
-            self._chaos = []
+            self._chaos, self._parked = [], []
         for h in idle:
             ray.kill(h, no_restart=True)
         with self._lock:

@@ -31,7 +31,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from architectures import ARCHITECTURES
 from architectures.base import Trainer, WorkerContext
 from failbench_ray.comm import AbortHandle, CollectiveAborted, Generations
-from failbench_ray.pool import process_resources
+from failbench_ray.pool import ResetOutcome, process_resources
 from failbench_ray.records import CheckpointEvent, StepRecord
 from failbench_ray.spec import ExperimentSpec
 from failbench_ray.telemetry import Recorder
@@ -41,6 +41,7 @@ from mechanisms.base import HookContext, Hooks, RestoreInstruction
 from mechanisms.replication import Packed, ReplicaStore, pack, unpack
 
 _FAILPOINT_WAIT_S = 120.0
+_PARKED_MARGIN_S = 2.0  # after a parked collective's timeout, before its thread is surely free
 
 
 @dataclass(frozen=True)
@@ -184,16 +185,21 @@ class Worker:
             print(f"now rank {rank} of {self.trial}", flush=True)  # the actor's log says whose
         return self.ready()
 
-    def reset(self) -> str | None:
-        """Shed the trial: its process groups, state, copies and files. Returns None when this
-        process is as a fresh one and can serve another trial, else why it cannot (then the
-        caller ends it): a thread parked in a collective on a dead peer is freed by nothing
-        but that group's timeout (DESIGN.md), and a training thread still running is busy."""
+    def reset(self) -> ResetOutcome:
+        """Shed the trial: its process groups, state, copies and files, so that this process
+        is as a fresh one. It cannot while its training thread still runs, nor while a thread
+        is parked in a collective on a dead peer: nothing but that group's timeout frees it
+        (DESIGN.md); the outcome then says when that timeout will have passed."""
         if self._running:
-            return "its training thread is still running"
-        stale = sum(h.in_flight() for h in self._handles)
-        if stale:
-            return f"{stale} collective(s) still parked on a dead peer"
+            return ResetOutcome("its training thread is still running")
+        oldest = [t for h in self._handles if (t := h.oldest_in_flight()) is not None]
+        if oldest:
+            stale = sum(h.in_flight() for h in self._handles)
+            timeout = self.spec.pg_timeout_s
+            return ResetOutcome(
+                f"{stale} collective(s) parked on a dead peer",
+                retry_in_s=max(0.0, min(oldest) + timeout - time.monotonic()) + _PARKED_MARGIN_S,
+            )
         if getattr(self, "hooks", None) is not None:
             self.hooks.close()  # e.g. a background checkpoint write still running
         self.generations.close()
@@ -205,7 +211,7 @@ class Worker:
             self.__dict__.pop(name, None)
         self.targets, self.chaos, self.me, self.trial = [], None, None, ""
         gc.collect()  # between trials, off every hot path: modules and optimizers go now
-        return None
+        return ResetOutcome(None)
 
     def leftovers(self) -> dict[str, Any]:
         """What of a trial this process still holds (empty after a clean `reset`)."""
