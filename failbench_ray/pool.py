@@ -8,7 +8,8 @@ What is reused, and what never is:
   A thread parked in a collective on a dead peer is freed by nothing but that group's
   timeout: such a process is parked until then and reset again, or ended if that is far.
 - A replacement for a dead rank is always a new, cold process (a fresh interpreter that
-  imports torch inside the measured recovery): it is never taken from here.
+  imports torch inside the measured recovery): it is never taken from the idle ones. It is
+  made by the pool, though, so that it serves later trials once this one is over.
 - The chaos actor is pooled too; it is re-armed with each trial's events.
 
 Pooled processes ask Ray for no CPU (`num_cpus=0`): the trial's placement group still reserves
@@ -43,6 +44,11 @@ _RESET_TIMEOUT_S = 30.0
 # A process parked on a dead peer is kept for another trial if its collective times out
 # within this (the paper matrix's 60 s pg_timeout_s does; torch's 30 min default does not).
 _MAX_PARK_S = 180.0
+# A collective parked on a live peer ends as soon as that peer closes the old group's sockets,
+# which its own reset does: after a round that reset some workers, the parked ones are tried
+# again before they wait for their timeout.
+_RESET_ROUNDS = 3
+_RESET_ROUND_GAP_S = 0.2
 
 
 def process_resources(pid: int) -> dict[str, int]:
@@ -114,6 +120,12 @@ class WorkerPool:
                     out.append((self._new_worker(node), False))
         return out
 
+    def new_worker(self, node: str) -> Any:
+        """A new process on `node`, never an idle one (a replacement for a dead rank: cold).
+        It joins the pool when its trial ends."""
+        with self._lock:
+            return self._new_worker(node)
+
     def _new_worker(self, node: str) -> Any:
         from failbench_ray.worker import WorkerActor
 
@@ -162,22 +174,23 @@ class WorkerPool:
     def _settle(self, workers: list[Any]) -> None:
         """Reset each of `workers`: idle if it could, parked if a stale collective's timeout
         will free it, else ended."""
-        refs = {h: (h.reset.remote(), h.ready.remote()) for h in workers}
         keep, park, end = [], [], []
-        now = time.monotonic()
-        for h, (reset_ref, ready_ref) in refs.items():
-            try:
-                out: ResetOutcome = ray.get(reset_ref, timeout=_RESET_TIMEOUT_S)
-                node = ray.get(ready_ref, timeout=_RESET_TIMEOUT_S)["node_id"]
-            except (RayActorError, GetTimeoutError) as err:
-                out, node = ResetOutcome(f"did not answer ({type(err).__name__})"), ""
-            if out.reason is None:
-                keep.append((node, h))
-            elif out.retry_in_s is not None and out.retry_in_s <= _MAX_PARK_S:
-                park.append((now + out.retry_in_s, node, h))
-            else:
-                log.info("ending pooled worker %s: %s", h, out.reason)
-                end.append(h)
+        for attempt in range(_RESET_ROUNDS):
+            outcomes = self._reset(workers)
+            workers = []
+            for h, (out, node) in outcomes.items():
+                if out.reason is None:
+                    keep.append((node, h))
+                elif out.retry_in_s is None or out.retry_in_s > _MAX_PARK_S:
+                    log.info("ending pooled worker %s: %s", h, out.reason)
+                    end.append(h)
+                elif attempt + 1 < _RESET_ROUNDS and keep:
+                    workers.append(h)  # see _RESET_ROUNDS
+                else:
+                    park.append((time.monotonic() + out.retry_in_s, node, h))
+            if not workers:
+                break
+            time.sleep(_RESET_ROUND_GAP_S)
         with self._lock:
             room = _MAX_IDLE - sum(map(len, self._idle.values())) - len(self._parked)
             for node, h in keep:
@@ -193,6 +206,20 @@ class WorkerPool:
                 else:
                     end.append(entry[2])
         self._end(end)
+
+    @staticmethod
+    def _reset(workers: list[Any]) -> dict[Any, tuple[ResetOutcome, str]]:
+        """Each worker's reset outcome and node."""
+        refs = {h: (h.reset.remote(), h.ready.remote()) for h in workers}
+        got = {}
+        for h, (reset_ref, ready_ref) in refs.items():
+            try:
+                out: ResetOutcome = ray.get(reset_ref, timeout=_RESET_TIMEOUT_S)
+                node = ray.get(ready_ref, timeout=_RESET_TIMEOUT_S)["node_id"]
+            except (RayActorError, GetTimeoutError) as err:
+                out, node = ResetOutcome(f"did not answer ({type(err).__name__})"), ""
+            got[h] = (out, node)
+        return got
 
     def _revive(self) -> None:
         """Reset again the parked workers whose stale collectives have timed out."""

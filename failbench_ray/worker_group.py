@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorUnschedulableError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -131,12 +131,17 @@ class WorkerGroup:
     def start_async(self, ranks: list[int]) -> dict[int, Any]:
         """Create actors for `ranks` without waiting: rank -> (handle, ref of its ready())."""
         new = {}
+        nodes = self._bundle_nodes() if self.pool is not None else {}
         for r in ranks:
             n = self.incarnation.get(r, -1) + 1
             self.incarnation[r] = n
-            # Shows on the Ray dashboard which rank (and which replacement) an actor is.
-            handle = self._create(f"{self._label}-rank{r}-i{n}", r, self.placement.num_cpus)
-            new[r] = (handle, handle.ready.remote())
+            if self.pool is not None:  # a new process all the same, kept for later trials
+                handle = self.pool.new_worker(nodes.get(r, ""))
+                new[r] = (handle, handle.configure.remote(*self._args(r)))
+            else:
+                # Shows on the Ray dashboard which rank (and which replacement) an actor is.
+                handle = self._create(f"{self._label}-rank{r}-i{n}", r, self.placement.num_cpus)
+                new[r] = (handle, handle.ready.remote())
             # Known at once, so that a shutdown while they start (Ctrl-C) kills them too.
             self.extra.append(handle)
         return new
@@ -148,7 +153,7 @@ class WorkerGroup:
         for r, (handle, ref) in new.items():
             try:
                 info = ray.get(ref)
-            except RayActorError:
+            except (RayActorError, ActorUnschedulableError):  # e.g. its node just died
                 died.append(r)
                 continue
             self.handles[r] = handle
