@@ -196,14 +196,17 @@ class TrialController:
 
     def close(self) -> None:
         """Stop every actor of this trial (also on Ctrl-C)."""
-        if self.group is not None:
-            self.group.shutdown(chaos=self.chaos)
-        elif self.chaos is not None:
-            ray.kill(self.chaos, no_restart=True)
-        self.chaos = None
-        for h in self.holders.values():
-            ray.kill(h, no_restart=True)
+        # Holders (and ready hot spares, which wait among them): given back or ended with
+        # the group's actors.
+        helpers = tuple(self.holders.values())
         self.holders.clear()
+        if self.group is not None:
+            self.group.shutdown(chaos=self.chaos, helpers=helpers)
+        else:
+            for h in [self.chaos, *helpers]:
+                if h is not None:
+                    ray.kill(h, no_restart=True)
+        self.chaos = None
         self.store = None
 
     # -- states ----------------------------------------------------------------------------
@@ -546,6 +549,9 @@ class TrialController:
     def _start_holders(self) -> None:
         for i in range(self.mech.holder_actors):
             name = f"holder{i}"
+            if self.pool is not None:
+                self.holders[name] = self.pool.holder()
+                continue
             self.holders[name] = ReplicaHolderActor.options(  # type: ignore[attr-defined]
                 name=f"{self.label}-{name}", scheduling_strategy="SPREAD"
             ).remote()

@@ -93,6 +93,7 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._idle: dict[str, list[Any]] = defaultdict(list)  # node id -> idle workers
         self._chaos: list[Any] = []
+        self._holders: list[Any] = []  # idle replica holders (inmem_replica)
         self._parked: list[tuple[float, str, Any]] = []  # (retry at, node, worker)
         self._mine: set[Any] = set()  # actor ids of every live process the pool made
         self._names = itertools.count()
@@ -140,6 +141,21 @@ class WorkerPool:
         self.started += 1
         return handle
 
+    def holder(self) -> Any:
+        """A replica holder with no copies: an idle one, else a new one (anywhere)."""
+        from mechanisms.replication import ReplicaHolderActor
+
+        with self._lock:
+            if self._holders:
+                self.reused += 1
+                return self._holders.pop()
+            handle = ReplicaHolderActor.options(  # type: ignore[attr-defined]
+                name=f"{self._prefix}-holder{next(self._names)}", scheduling_strategy="SPREAD"
+            ).remote()
+            self._mine.add(handle._actor_id)
+            self.started += 1
+            return handle
+
     def chaos(self, events: list[dict[str, Any]], home: str) -> Any:
         """The chaos actor, armed with `events`, on node `home` where possible."""
         from injector.chaos import ChaosActor
@@ -161,14 +177,20 @@ class WorkerPool:
         return handle
 
     # -- giving back -----------------------------------------------------------------------
-    def give_back(self, workers: list[Any], chaos: Any = None) -> None:
-        """Reset `workers` (pooled ones; dead ones are forgotten) and keep those that can
-        serve again; end the others."""
+    def give_back(
+        self, workers: list[Any], chaos: Any = None, holders: tuple[Any, ...] = ()
+    ) -> None:
+        """Reset `workers` and `holders` (pooled ones; dead ones are forgotten) and keep those
+        that can serve again; end the others."""
         workers = [h for h in workers if self.owns(h)]
         if chaos is not None and self.owns(chaos):
             chaos.stop.remote()
             with self._lock:
                 self._chaos.append(chaos)
+        emptied = self._reset([h for h in holders if self.owns(h)])
+        with self._lock:
+            self._holders += [h for h, (out, _) in emptied.items() if out.reason is None]
+        self._end([h for h, (out, _) in emptied.items() if out.reason is not None])
         self._settle(workers)
 
     def _settle(self, workers: list[Any]) -> None:
@@ -215,7 +237,8 @@ class WorkerPool:
         for h, (reset_ref, ready_ref) in refs.items():
             try:
                 out: ResetOutcome = ray.get(reset_ref, timeout=_RESET_TIMEOUT_S)
-                node = ray.get(ready_ref, timeout=_RESET_TIMEOUT_S)["node_id"]
+                info = ray.get(ready_ref, timeout=_RESET_TIMEOUT_S)
+                node = info["node_id"] if isinstance(info, dict) else ""  # a holder: its pid
             except (RayActorError, GetTimeoutError) as err:
                 out, node = ResetOutcome(f"did not answer ({type(err).__name__})"), ""
             got[h] = (out, node)
@@ -244,12 +267,15 @@ class WorkerPool:
 
     def idle_workers(self) -> list[Any]:
         with self._lock:
-            return [h for hs in self._idle.values() for h in hs]
+            return self.idle_workers_locked()
+
+    def idle_workers_locked(self) -> list[Any]:
+        return [h for hs in self._idle.values() for h in hs]
 
     def idle_actor_ids(self) -> set[str]:
-        """Idle and parked processes and the idle chaos actor: alive between trials."""
+        """Idle and parked processes, holders and the chaos actor: alive between trials."""
         with self._lock:
-            hs = [h for hs in self._idle.values() for h in hs] + self._chaos
+            hs = [h for hs in self._idle.values() for h in hs] + self._chaos + self._holders
             hs += [h for _, _, h in self._parked]
         return {h._actor_id.hex() for h in hs}
 
@@ -259,7 +285,8 @@ class WorkerPool:
         over must leave none)."""
         from ray._private import state
 
-        idle = self.idle_workers()
+        with self._lock:
+            idle = self.idle_workers_locked() + self._holders
         pooled = ray.get([h.resources.remote() for h in idle], timeout=_RESET_TIMEOUT_S)
         mine = self.idle_actor_ids()
         others = [
@@ -283,10 +310,10 @@ class WorkerPool:
     def shutdown(self) -> None:
         """End every idle process (a process still lent to a trial ends with the trial)."""
         with self._lock:
-            idle = [h for hs in self._idle.values() for h in hs] + self._chaos
+            idle = [h for hs in self._idle.values() for h in hs] + self._chaos + self._holders
             idle += [h for _, _, h in self._parked]
             self._idle.clear()
-            self._chaos, self._parked = [], []
+            self._chaos, self._parked, self._holders = [], [], []
         for h in idle:
             ray.kill(h, no_restart=True)
         with self._lock:

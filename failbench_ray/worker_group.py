@@ -205,12 +205,16 @@ class WorkerGroup:
                 if self.pool is not None:
                     self.pool.forget(h)
 
-    def shutdown(self, chaos: Any = None) -> None:
-        """End the trial's actors; pooled ones (and `chaos`) go back to the pool, which
-        keeps those that reset cleanly."""
-        actors = list({h._actor_id: h for h in [*self.handles.values(), *self.extra]}.values())
+    def shutdown(self, chaos: Any = None, helpers: tuple[Any, ...] = ()) -> None:
+        """End the trial's actors; pooled ones (and `chaos`, and the replica holders among
+        `helpers`) go back to the pool, which keeps those that reset cleanly."""
+        everyone = [*self.handles.values(), *self.extra, *helpers]
+        actors = list({h._actor_id: h for h in everyone}.values())
         if self.pool is not None:
-            self.pool.give_back([h for h in actors if self.pool.owns(h)], chaos)
+            ours = {h._actor_id for h in [*self.handles.values(), *self.extra]}
+            holders = tuple(h for h in helpers if h._actor_id not in ours)
+            workers = [h for h in actors if self.pool.owns(h) and h._actor_id in ours]
+            self.pool.give_back(workers, chaos, holders)
             actors = [h for h in actors if not self.pool.owns(h)]
         elif chaos is not None:
             actors.append(chaos)

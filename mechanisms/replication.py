@@ -25,6 +25,8 @@ import numpy as np
 import ray
 import torch
 
+from failbench_ray.pool import ResetOutcome, process_resources
+
 _ALIGN = 64
 
 
@@ -205,6 +207,16 @@ class ReplicaHolder:
 
     def stats(self) -> dict[str, float]:
         return {"bytes_pulled": self.store.bytes_pulled, "pull_s": self.store.pull_s}
+
+    def reset(self) -> ResetOutcome:
+        """Drop every copy (a pooled holder serves the next trial empty)."""
+        self.store = ReplicaStore(self.store.keep)
+        return ResetOutcome(None)
+
+    def resources(self) -> dict[str, int]:
+        import os
+
+        return process_resources(os.getpid())
 
 
 # Threaded: pulls for several shards and reads by replacements run at once.
