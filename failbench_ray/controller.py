@@ -227,6 +227,7 @@ class TrialController:
         self.group = WorkerGroup(
             self.spec, self.run_dir, self.chaos, self.placement, self.label, self.tags, self.pool
         )
+        self.group.check_stop = self._check_stop
         self.group.reserve()
         self._start_holders()
         self.group.start_first(list(range(self.spec.world_size)))

@@ -7,6 +7,7 @@ import logging
 import signal
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +18,9 @@ from failbench_ray.errors import SpecError
 from failbench_ray.storage.db import Database
 
 log = logging.getLogger("failbench.service")
+
+# How long a stop waits for the dispatchers to hand their experiments back.
+_STOP_GRACE_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -52,15 +56,29 @@ def dispatchers(db: Database, cfg: Dispatching) -> Iterator[threading.Event]:
             stop_event=stop,
             cluster_share=1.0 / cfg.n,  # experiments at once share the cluster evenly
         )
-        t = threading.Thread(target=d.run_forever, args=(stop,), name=f"dispatcher-{i}")
+        # Daemons: a dispatcher stuck on a Ray cluster that is going down with the service
+        # (a SIGTERM to the whole process group reaches Ray's processes too) must not keep the
+        # process alive; its experiment goes back to the queue when its lease expires.
+        t = threading.Thread(
+            target=d.run_forever, args=(stop,), name=f"dispatcher-{i}", daemon=True
+        )
         t.start()
         threads.append(t)
     try:
         yield stop
     finally:
         stop.set()
+        deadline = time.monotonic() + _STOP_GRACE_S
         for t in threads:
-            t.join()
+            t.join(max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in threads if t.is_alive()]
+        if stuck:
+            log.warning(
+                "%s did not stop within %.0f s (is the Ray cluster gone?); their experiments "
+                "go back to the queue when their leases expire",
+                ", ".join(stuck),
+                _STOP_GRACE_S,
+            )
 
 
 def _check_bind(host: str, token: bool) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,8 @@ def choose_placement(world_size: int, resources: dict[str, float]) -> Placement:
 
 
 _PLACEMENT_TIMEOUT_S = 120.0
+_START_TIMEOUT_S = 300.0  # an actor that is not up by then will not be
+_POLL_S = 0.5
 _START_ATTEMPTS = 5
 
 
@@ -72,6 +75,8 @@ class WorkerGroup:
         self.nodes: dict[int, str] = {}  # rank -> Ray node id of its current worker
         self.incarnation: dict[int, int] = {}
         self.extra: list[Any] = []  # every actor created (spares, actors still starting)
+        # Raises to stop the trial (a cancel, a shutdown) while actors are being waited for.
+        self.check_stop: Callable[[], None] = lambda: None
 
     def reserve(self) -> None:
         """Reserve one bundle per rank (the ranks' actors are created into them)."""
@@ -148,7 +153,23 @@ class WorkerGroup:
 
     def wait_started(self, new: dict[int, Any]) -> list[int]:
         """Make started actors members (`start_async`'s result), once each is up. Returns the
-        ranks whose new actor died before it was up."""
+        ranks whose new actor died before it was up.
+
+        Waits in slices, calling `check_stop` between them: an actor that never comes up (its
+        raylet was stopped with the service) must not hold a cancel or a shutdown."""
+        refs = [ref for _, ref in new.values()]
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while True:
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=_POLL_S)
+            if len(done) == len(refs):
+                break
+            self.check_stop()
+            if time.monotonic() > deadline:
+                late = [r for r, (_, ref) in new.items() if ref not in done]
+                raise RecoveryError(
+                    f"rank(s) {late} did not start within {_START_TIMEOUT_S:g} s: is the Ray "
+                    "cluster overloaded, or its node gone?"
+                )
         died = []
         for r, (handle, ref) in new.items():
             try:
