@@ -40,7 +40,7 @@ log = logging.getLogger("failbench.pool")
 # allows start fresh actors sized for them.
 POOL_CONCURRENCY = 36
 _MAX_IDLE = 16  # idle processes kept; more are ended (each holds a few hundred MB)
-_RESET_TIMEOUT_S = 30.0
+_RESET_TIMEOUT_S = 10.0  # a reset takes well under a second
 # A process parked on a dead peer is kept for another trial if its collective times out
 # within this (the paper matrix's 60 s pg_timeout_s does; torch's 30 min default does not).
 _MAX_PARK_S = 180.0
@@ -231,13 +231,16 @@ class WorkerPool:
 
     @staticmethod
     def _reset(workers: list[Any]) -> dict[Any, tuple[ResetOutcome, str]]:
-        """Each worker's reset outcome and node."""
+        """Each worker's reset outcome and node; one that does not answer within
+        `_RESET_TIMEOUT_S` (e.g. a hung, SIGSTOPped rank) is not waited for longer."""
         refs = {h: (h.reset.remote(), h.ready.remote()) for h in workers}
+        every = [ref for pair in refs.values() for ref in pair]
+        ray.wait(every, num_returns=len(every), timeout=_RESET_TIMEOUT_S)
         got = {}
         for h, (reset_ref, ready_ref) in refs.items():
             try:
-                out: ResetOutcome = ray.get(reset_ref, timeout=_RESET_TIMEOUT_S)
-                info = ray.get(ready_ref, timeout=_RESET_TIMEOUT_S)
+                out: ResetOutcome = ray.get(reset_ref, timeout=0)
+                info = ray.get(ready_ref, timeout=0)
                 node = info["node_id"] if isinstance(info, dict) else ""  # a holder: its pid
             except (RayActorError, GetTimeoutError) as err:
                 out, node = ResetOutcome(f"did not answer ({type(err).__name__})"), ""
