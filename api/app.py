@@ -35,12 +35,12 @@ from api.settings import Settings
 from failbench_ray import queue
 from failbench_ray import sweep as sw
 from failbench_ray.checks import resolve
-from failbench_ray.errors import SpecError
+from failbench_ray.errors import DatabaseError, FailBenchError, SpecError, UsageError
 from failbench_ray.models import param_count
 from failbench_ray.recommend import Question, recommend, stored_results
 from failbench_ray.spec import ExperimentSpec
 from failbench_ray.storage import repo
-from failbench_ray.storage.db import Database, DatabaseError
+from failbench_ray.storage.db import Database
 from failbench_ray.storage.tables import EXPERIMENT_STATUSES, Experiment, SweepCell, Trial
 
 API_VERSION = "v1"
@@ -262,21 +262,16 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(Timed, metrics=metrics)
 
-    @app.exception_handler(repo.ExperimentNotFound)
-    async def _not_found(_: Request, err: Exception) -> JSONResponse:
-        return JSONResponse({"detail": str(err)}, status.HTTP_404_NOT_FOUND)
-
-    @app.exception_handler(repo.SweepNotFound)
-    async def _no_sweep(_: Request, err: Exception) -> JSONResponse:
-        return JSONResponse({"detail": str(err)}, status.HTTP_404_NOT_FOUND)
-
-    @app.exception_handler(queue.InvalidTransition)
-    @app.exception_handler(queue.IdempotencyConflict)
-    async def _conflict(_: Request, err: Exception) -> JSONResponse:
-        return JSONResponse({"detail": str(err)}, status.HTTP_409_CONFLICT)
+    @app.exception_handler(FailBenchError)
+    async def _ours(_: Request, err: Exception) -> JSONResponse:
+        # One tree (failbench_ray/errors.py): each error says its status (404 not found,
+        # 409 conflict, 503 database unavailable, ...), as it says the CLI's exit code.
+        assert isinstance(err, FailBenchError)
+        if isinstance(err, DatabaseError):
+            return await _db_down(_, err)
+        return JSONResponse({"detail": str(err)}, err.http_status)
 
     @app.exception_handler(OperationalError)
-    @app.exception_handler(DatabaseError)
     async def _db_down(_: Request, err: Exception) -> JSONResponse:
         return JSONResponse(
             {"detail": f"the database is unavailable: {str(err).splitlines()[0]}"},
@@ -511,7 +506,7 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
         same answer as `failbench recommend --json`), from the costs this database measured."""
         try:
             return recommend(question, stored_results(db, limit=500))
-        except SpecError as err:
+        except UsageError as err:
             raise _unprocessable(["query"], str(err)) from None
 
     # -- the rest --------------------------------------------------------------------------

@@ -113,6 +113,11 @@ class Trainer(ABC):
     def train_step(self, step: int) -> StepOutput:
         """One optimizer step; raise CollectiveAborted (before the update) if a peer died."""
 
+    def serve(self, request: Any) -> Any:
+        """Answer a peer's request (a typed message of the architecture's own, e.g. a
+        parameter server's `Push`), on one of the actor's extra threads."""
+        raise TypeError(f"{type(self).__name__} serves no peer requests (got {request!r})")
+
     def backward_on_shard(self, step: int, model: nn.Module) -> tuple[torch.Tensor, int]:
         """Zero the gradients, then forward and backward this rank's part of the step's global
         batch (the data-parallel architectures). Returns (loss, samples)."""

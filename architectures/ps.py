@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import threading
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -39,6 +40,24 @@ _POLL_S = 0.02
 Arrays = dict[int, np.ndarray]
 
 
+@dataclass(frozen=True)
+class Push:
+    """A worker's gradients for step `step`, for the parameters this server owns."""
+
+    step: int
+    worker: int
+    grads: Arrays
+
+
+@dataclass(frozen=True)
+class Pull:
+    """A worker asks for the parameters after step `step` (sync), or after its own push of
+    that step was applied (async)."""
+
+    step: int
+    worker: int
+
+
 class PSParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -64,6 +83,13 @@ class ServerTrainer(Trainer):
         self._applied: set[tuple[int, int]] = set()  # async: (worker, step) applied
 
     # served on the actor's extra threads ------------------------------------------------
+    def serve(self, request: Any) -> Any:
+        if isinstance(request, Push):
+            return self.push(request.step, request.worker, request.grads)
+        if isinstance(request, Pull):
+            return self.pull(request.step, request.worker)
+        return super().serve(request)
+
     def push(self, step: int, worker: int, grads: Arrays) -> None:
         with self._cond:
             if self.ctx.params.mode == "sync":
@@ -158,10 +184,8 @@ class WorkerTrainer(Trainer):
                 for i, p in enumerate(self.params)
                 if i % self.servers == s and p.grad is not None
             }
-            peers[s].call_trainer.remote("push", step, self.index, grads)
-        pulls = [
-            peers[s].call_trainer.remote("pull", step, self.index) for s in range(self.servers)
-        ]
+            peers[s].serve_peer.remote(Push(step, self.index, grads))
+        pulls = [peers[s].serve_peer.remote(Pull(step, self.index)) for s in range(self.servers)]
         fresh = self._get(pulls)
         with torch.no_grad():
             for part in fresh:

@@ -330,6 +330,8 @@ def goal_paper_matrix(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
     failbench = Path(sys.executable).parent / "failbench"
     cmd = [str(failbench), "sweep", str(REPO / "examples" / "paper_matrix.yaml"), "--json"]
     cmd += ["--db", f"sqlite:///{out}/matrix.db", "--out", str(out)]
+    resource_log = out / "resources.jsonl"
+    cmd += ["--resource-log", str(resource_log)]
     rc, wall, output = _timed_command(cmd, PAPER_MATRIX_LIMIT_S)
     report: dict[str, Any] | None = None
     # stdout and stderr are merged: the report is the JSON object that starts a line
@@ -353,11 +355,16 @@ def goal_paper_matrix(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
         kept = REPO / "bench" / "paper_matrix.db"
         shutil.copyfile(out / "matrix.db", kept)
     pool = report.get("pool") if report else None
+    lines = resource_log.read_text().splitlines() if resource_log.exists() else []
+    # Context, not this goal: the matrix changes architecture every 27 cells, and a process
+    # that has trained a new one holds its modules from then on.
+    resources = leak_verdict([json.loads(line) for line in lines])
     return _status(
         {
             "goal": goal,
             "met": rc == 0 and wall < PAPER_MATRIX_GOAL_S,
             "pool": pool,
+            "resources": {k: v for k, v in resources.items() if k != "worker_ratios"},
             "wall_s": wall,
             "exit_code": rc,
             "cells_by_status": counts,

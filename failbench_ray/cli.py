@@ -88,6 +88,7 @@ def _parser() -> argparse.ArgumentParser:
         help="the local Ray cluster runs Ray's dashboard on loopback (token auth stays on)",
     )
     serve.add_argument("--dashboard-port", type=int, default=8265, help="Ray dashboard's port")
+    serve.add_argument("--fresh-workers", action="store_true", help=_FRESH_HELP)
 
     disp = sub.add_parser("dispatch", help="dispatchers only: run what the queue holds")
     disp.add_argument("--db", help=db_help)
@@ -101,6 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     disp.add_argument("--lease-s", type=float, default=30.0, help="queue lease, seconds")
     disp.add_argument("--max-attempts", type=int, default=3, help="runs before giving up")
+    disp.add_argument("--fresh-workers", action="store_true", help=_FRESH_HELP)
 
     rep = sub.add_parser("report", help="a sweep's results as report.md, report.html and PNGs")
     rep.add_argument("--db", help=db_help)
@@ -139,9 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if getattr(args, "ray_address", None):
         os.environ["RAY_ADDRESS"] = args.ray_address  # before Ray is imported (see __init__)
-    from failbench_ray.errors import SpecError
-    from failbench_ray.storage.db import DatabaseError
-    from failbench_ray.storage.repo import ExperimentNotFound
+    from failbench_ray.errors import FailBenchError
 
     try:
         if args.command == "run":
@@ -157,9 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "report":
             return _write_report(args)
         return _list(args)
-    except (SpecError, DatabaseError, ExperimentNotFound) as e:
+    except FailBenchError as e:  # one tree: each error knows its exit code
         print(f"error: {e}", file=sys.stderr)  # one line, never wrapped
-        return EXIT_USAGE
+        return e.exit_code
 
 
 def _service(args: argparse.Namespace) -> int:
@@ -182,6 +182,7 @@ def _service(args: argparse.Namespace) -> int:
         dashboard=getattr(args, "dashboard", False),
         dashboard_port=getattr(args, "dashboard_port", 8265),
         prometheus_sd=args.prometheus_sd,
+        reuse_workers=not args.fresh_workers,
     )
     if args.command == "serve":
         return service.serve(host=args.host, port=args.port, cfg=cfg)
@@ -189,9 +190,9 @@ def _service(args: argparse.Namespace) -> int:
 
 
 def _usage(message: str) -> Exception:
-    from failbench_ray.errors import SpecError
+    from failbench_ray.errors import UsageError
 
-    return SpecError(message)
+    return UsageError(message)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -281,7 +282,6 @@ def _sweep(args: argparse.Namespace) -> int:
                     share_baselines=sweep.share_baselines,
                     reuse_workers=not args.fresh_workers,
                 )
-            sys.stdout = result_out
         else:
             sw.run_pending(db, sweep_id, cells)  # nothing to run: only the sweep's status
 
@@ -292,17 +292,19 @@ def _sweep(args: argparse.Namespace) -> int:
             from failbench_ray.pool import shared_pool
 
             report["pool"] = asdict(shared_pool().stats())
-        return _sweep_report(report, args.json)
     except KeyboardInterrupt:
         err.print("interrupted: every actor stopped; the current cell is pending again")
         return EXIT_INTERRUPTED
     finally:
-        sys.stdout = result_out
         if started:
             import ray
 
+            # Ray's late messages (a pooled process ended as the cluster goes) go to stderr:
+            # stdout is the report's, printed once Ray is down.
             ray.shutdown()
+        sys.stdout = result_out
         db.dispose()
+    return _sweep_report(report, args.json)
 
 
 def _print_grid(cells: Sequence[Any], as_json: bool) -> int:
@@ -458,7 +460,9 @@ def _print_tables(r: dict[str, Any]) -> None:
         out.print(
             f"failure #{n} (trial {trial}): rank {ranks} {f['kill_kind']} at {f['trigger']}, "
             f"restored from step {f['restored_from_step']} ({f['lost_steps']} steps lost), "
-            f"quiesce {f['quiesce']}, replacement {f.get('replacement') or '-'}"
+            f"quiesce {f['quiesce']}"
+            + (f" ({f['quiesce_reason']})" if f.get("quiesce_reason") else "")
+            + f", replacement {f.get('replacement') or '-'}"
             + (
                 f", interrupted by #{f['interrupted_by']}"
                 if f.get("interrupted_by") is not None

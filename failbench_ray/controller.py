@@ -34,10 +34,11 @@ from failbench_ray.errors import RecoveryError, TrialInterrupted
 from failbench_ray.pool import WorkerPool
 from failbench_ray.records import CheckpointEvent, FailureRecord, StepRecord
 from failbench_ray.recovery import decide
+from failbench_ray.spec import Quiesce
 from failbench_ray.telemetry import LIVE_PHASES, WORLD_SIZE, Recorder
 from failbench_ray.worker import JoinInfo, RunReport, read_record_log
 from failbench_ray.worker_group import Placement, WorkerGroup
-from injector.chaos import ChaosActor
+from injector.chaos import ChaosActor, Injection
 from mechanisms.base import FailureContext, RecoveryPlan, RestoreInstruction
 from mechanisms.replication import ReplicaHolderActor
 
@@ -237,7 +238,7 @@ class TrialController:
         log.info("%s: %d ranks started", self.label, self.spec.world_size)
         got = self._join_all()
         if not got.dead and not got.errors:
-            got = self._on_all(lambda h: h.restore.remote(RestoreInstruction("scratch", 0)))
+            got = self._on_all(lambda h, r: h.restore.remote(RestoreInstruction("scratch", 0)))
         if got.dead:
             return self._detected(got.dead)
         if got.errors:
@@ -290,11 +291,11 @@ class TrialController:
         assert self.group is not None
         self._phase_trigger("quiescing")
         alive = [r for r in self.pending if r not in self.dead]
-        strategy = self._quiesce_strategy()
-        if strategy == "abort":
+        strategy, _ = self._quiesce()
+        if strategy is Quiesce.ABORT:
             for r in alive:
                 self.group.handles[r].abort.remote()
-        elif strategy.startswith("kill_survivors"):
+        elif strategy is Quiesce.KILL_SURVIVORS:
             self._kill_survivors(alive)
         got = self._collect(list(self.pending.values()), wait_all=True)
         self._absorb(got.values.values())
@@ -347,7 +348,7 @@ class TrialController:
             self.growing.update(self.group.start_async(list(plan.grow)))
             self.grow_failures += self.open
         self._set_targets()
-        got = self._on_all(lambda h: h.ready.remote())
+        got = self._on_all(lambda h, r: h.ready.remote())
         if not got.dead:
             got = self._join_all()
         if got.dead:
@@ -393,20 +394,16 @@ class TrialController:
     def _detected(self, dead: set[int]) -> State:
         """Record newly dead ranks as failures (from the chaos actor's log) and go quiesce."""
         t_detect = time.time()
-        injections = [
+        injections: list[Injection] = [
             i
             for i in ray.get(self.chaos.injections.remote())
-            if i["index"] not in self.seen_injections
+            if i.index not in self.seen_injections
         ]
         new: list[FailureRecord] = []
         for inj in injections:
-            self.seen_injections.add(inj["index"])
-            step = inj["step"] if inj["step"] is not None else -1
-            new.append(
-                self._failure(
-                    inj["ranks"], inj["kill_kind"], inj["trigger"], step, inj["t_injected"]
-                )
-            )
+            self.seen_injections.add(inj.index)
+            step = inj.step if inj.step is not None else -1
+            new.append(self._failure(inj.ranks, inj.kill_kind, inj.trigger, step, inj.t_injected))
         self.injected_ranks |= {r for f in new for r in f.ranks}
         unplanned = sorted(dead - self.injected_ranks - self.dead)
         if unplanned and not new:
@@ -460,16 +457,19 @@ class TrialController:
             trigger=trigger,
             injected_at_step=step,
             t_injected=t,
-            quiesce=self._quiesce_strategy(),
         )
+        strategy, f.quiesce_reason = self._quiesce()
+        f.quiesce = strategy.value
         self.outcome.failures.append(f)
         return f
 
-    def _quiesce_strategy(self) -> str:
-        """The spec's strategy, unless this architecture cannot honour `abort`."""
-        if self.spec.quiesce == "abort" and not self.abortable:
-            return f"kill_survivors (abort: {self.arch_name}'s collectives are not abortable)"
-        return self.spec.quiesce
+    def _quiesce(self) -> tuple[Quiesce, str]:
+        """The spec's strategy, unless this architecture cannot honour `abort` (then why)."""
+        asked = Quiesce(self.spec.quiesce)
+        if asked is Quiesce.ABORT and not self.abortable:
+            why = f"abort asked, but {self.arch_name}'s collectives are not abortable"
+            return Quiesce.KILL_SURVIVORS, why
+        return asked, ""
 
     def _failure_context(self) -> FailureContext:
         steps = [f.injected_at_step for f in self.open] or [self.committed + 1]
@@ -486,7 +486,7 @@ class TrialController:
             layout=self.layout,
             committed_step=self.committed,
             failure_step=max(steps),
-            quiesce=self._quiesce_strategy(),
+            quiesce=self._quiesce()[0].value,
             latest_checkpoint=self.mech.latest_checkpoint(self.run_dir, self.layout),
             furthest_step=max(self.furthest, self.committed),
         )
@@ -699,17 +699,13 @@ class TrialController:
             backend=self.placement.backend,
             device=self.placement.device,
         )
-        return self._on_all(lambda h: h.join.remote(info))
+        return self._on_all(lambda h, r: h.join.remote(info))
 
-    def _on_all(self, call: Callable[..., Any]) -> _Gathered:
-        """Call every live rank (`call(handle)` or `call(handle, rank)`; None skips a rank)."""
+    def _on_all(self, call: Callable[[Any, int], Any]) -> _Gathered:
+        """Call every live rank: `call(handle, rank)` returns the call's ref, or None to skip
+        that rank."""
         assert self.group is not None
-        takes_rank = call.__code__.co_argcount >= 2
-        refs = {
-            r: call(h, r) if takes_rank else call(h)
-            for r, h in self.group.handles.items()
-            if r not in self.dead
-        }
+        refs = {r: call(h, r) for r, h in self.group.handles.items() if r not in self.dead}
         refs = {r: ref for r, ref in refs.items() if ref is not None}
         self.pending = refs
         return self._collect(list(refs.values()), wait_all=True)
@@ -769,7 +765,7 @@ class TrialController:
 
     def _digest(self) -> str:
         """Digest of the whole model: each shard's digest, replicas checked against each other."""
-        got = self._on_all(lambda h: h.digest.remote())
+        got = self._on_all(lambda h, r: h.digest.remote())
         if got.dead or got.errors:
             raise RecoveryError(f"computing the final digest failed: {got.errors or got.dead}")
         self.outcome.state_bytes_per_rank = max(v[1] for v in got.values.values())

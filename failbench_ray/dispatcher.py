@@ -50,8 +50,10 @@ class Dispatcher:
         out_dir: Path = Path("runs"),
         stop_event: threading.Event | None = None,
         cluster_share: float = 1.0,
+        reuse_workers: bool = True,
     ) -> None:
         self.cluster_share = cluster_share  # 1/N with N dispatchers on one cluster
+        self.reuse_workers = reuse_workers
         self.stopping = stop_event or threading.Event()  # set: give the current run back
         self.db = db
         self.owner = owner or queue.new_owner_id()
@@ -132,6 +134,7 @@ class Dispatcher:
                     should_stop=should_stop,
                     guard=guard,
                     cluster_share=self.cluster_share,
+                    reuse_workers=self.reuse_workers,
                 )
                 status = result.status
             else:

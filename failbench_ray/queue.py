@@ -24,6 +24,7 @@ from typing import Any
 from sqlalchemy import case, delete, func, select, update
 from sqlalchemy.orm import Session
 
+from failbench_ray.errors import IdempotencyConflict, InvalidTransition
 from failbench_ray.spec import ExperimentSpec
 from failbench_ray.storage import repo
 from failbench_ray.storage.tables import Dispatcher, Experiment, Trial, utcnow
@@ -31,14 +32,6 @@ from failbench_ray.storage.tables import Dispatcher, Experiment, Trial, utcnow
 DEFAULT_LEASE_S = 30.0
 DEFAULT_MAX_ATTEMPTS = 3
 FINISHED = ("completed", "failed", "cancelled", "interrupted")
-
-
-class IdempotencyConflict(Exception):
-    """An Idempotency-Key already names an experiment with another spec."""
-
-
-class InvalidTransition(Exception):
-    """The experiment is not in a state that allows this (e.g. cancel a finished one)."""
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from failbench_ray.errors import SpecError
+from failbench_ray.errors import UsageError
 from failbench_ray.reliability import Profile, expected_ratio, interval, no_checkpoint_ratio
 from failbench_ray.simulator import Failures, simulate_many
 
@@ -241,23 +241,23 @@ def _why(p: Profile, mtbf_s: float, ratio: float) -> str:
 
 
 def recommend(q: Question, results: Iterable[Any] = ()) -> dict[str, Any]:
-    """The answer, as JSON-ready data. Raises SpecError on a question that cannot be asked."""
+    """The answer, as JSON-ready data. Raises UsageError on a question that cannot be asked."""
     from architectures import ARCHITECTURES
     from failbench_ray import catalog
 
     if q.architecture not in ARCHITECTURES:
-        raise SpecError(
+        raise UsageError(
             f"unknown architecture {q.architecture!r}; choose one of "
             f"{', '.join(sorted(ARCHITECTURES.names()))}"
         )
     if q.world < 2:
-        raise SpecError(f"--world must be at least 2 (got {q.world}): one worker has no peer")
+        raise UsageError(f"--world must be at least 2 (got {q.world}): one worker has no peer")
     if (q.mtbf_hours is None) == (q.preset is None):
-        raise SpecError("give exactly one of --mtbf-hours and --preset")
+        raise UsageError("give exactly one of --mtbf-hours and --preset")
     if q.preset is not None and q.preset not in PRESETS:
-        raise SpecError(f"unknown preset {q.preset!r}; choose one of {', '.join(PRESETS)}")
+        raise UsageError(f"unknown preset {q.preset!r}; choose one of {', '.join(PRESETS)}")
     if q.mtbf_hours is not None and not q.mtbf_hours > 0:
-        raise SpecError(f"--mtbf-hours must be positive (got {q.mtbf_hours:g})")
+        raise UsageError(f"--mtbf-hours must be positive (got {q.mtbf_hours:g})")
     preset = PRESETS[q.preset] if q.preset is not None else None
     worker_mtbf_h = preset.worker_mtbf_hours if preset else float(q.mtbf_hours or 0)
     job_mtbf_s = worker_mtbf_h * 3600 / q.world

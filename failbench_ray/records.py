@@ -53,7 +53,7 @@ class FailureRecord:
     trigger: str  # e.g. "step=25", "t=3.0s", "during=restoring"
     injected_at_step: int  # the step in flight (or the committed step, for a kill in recovery)
     t_injected: float
-    quiesce: str = ""
+    quiesce: str = ""  # the strategy used (`spec.Quiesce`)
     restore_source: str = ""
     restored_from_step: int | None = None
     phases: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(PHASES))
@@ -62,6 +62,7 @@ class FailureRecord:
     # recovery), "warm" (standbys that already ran: hot spares), "none" (training went on
     # without them), "" (no recovery plan was made).
     replacement: str = ""
+    quiesce_reason: str = ""  # why `quiesce` is not the strategy the spec asked for, if not
 
     @property
     def lost_steps(self) -> int | None:

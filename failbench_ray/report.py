@@ -21,7 +21,7 @@ from scipy import stats as sps
 from sqlalchemy import select
 
 from failbench_ray import stats
-from failbench_ray.errors import SpecError
+from failbench_ray.errors import SweepNotFound
 from failbench_ray.records import PHASES, StepRecord
 from failbench_ray.results import ExperimentResult
 from failbench_ray.storage import repo
@@ -66,12 +66,11 @@ def gather(db: Database, sweep_id: str | None = None) -> tuple[Sweep, list[Cell]
         if sweep_id is None:
             sweep = s.scalars(select(Sweep).order_by(Sweep.created_at.desc())).first()
             if sweep is None:
-                raise SpecError("no sweep in this database: run `failbench sweep FILE` first")
+                raise SweepNotFound(
+                    "", "no sweep in this database: run `failbench sweep FILE` first"
+                )
         else:
-            try:
-                sweep = repo.get_sweep(s, sweep_id)
-            except repo.SweepNotFound:
-                raise SpecError(f"no sweep {sweep_id!r} in this database") from None
+            sweep = repo.get_sweep(s, sweep_id)
         s.expunge(sweep)
         cells = []
         for c in repo.list_sweep_cells(s, sweep.id):

@@ -39,6 +39,7 @@ class FailureResult(BaseModel):
     restored_from_step: int | None
     lost_steps: int | None
     quiesce: str
+    quiesce_reason: str = ""  # why not the spec's strategy (e.g. collectives not abortable)
     # cold: new processes (torch imported inside the recovery); warm: standbys that ran
     # already (hot spares); none: training went on without the dead ranks
     replacement: str = ""
@@ -193,6 +194,7 @@ def failure_result(f: FailureRecord) -> FailureResult:
         restored_from_step=f.restored_from_step,
         lost_steps=f.lost_steps,
         quiesce=f.quiesce,
+        quiesce_reason=f.quiesce_reason,
         replacement=f.replacement,
         restore_source=f.restore_source,
         interrupted_by=f.interrupted_by,

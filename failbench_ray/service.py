@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from failbench_ray.errors import SpecError
+from failbench_ray.errors import UsageError
 from failbench_ray.storage.db import Database
 
 log = logging.getLogger("failbench.service")
@@ -37,6 +37,7 @@ class Dispatching:
     dashboard: bool = False  # a local cluster runs Ray's dashboard
     dashboard_port: int = 8265
     prometheus_sd: Path | None = None  # keep the Ray nodes' metrics endpoints in this file
+    reuse_workers: bool = True  # trials reuse started processes (failbench_ray.pool)
 
 
 @contextmanager
@@ -55,6 +56,7 @@ def dispatchers(db: Database, cfg: Dispatching) -> Iterator[threading.Event]:
             out_dir=cfg.out_dir,
             stop_event=stop,
             cluster_share=1.0 / cfg.n,  # experiments at once share the cluster evenly
+            reuse_workers=cfg.reuse_workers,
         )
         # Daemons: a dispatcher stuck on a Ray cluster that is going down with the service
         # (a SIGTERM to the whole process group reaches Ray's processes too) must not keep the
@@ -85,7 +87,7 @@ def _check_bind(host: str, token: bool) -> None:
     from api.settings import is_loopback
 
     if not is_loopback(host) and not token:
-        raise SpecError(
+        raise UsageError(
             f"refusing to serve on {host} without a token: anyone who can reach it could run "
             "jobs on your cluster. Set FAILBENCH_API_TOKEN, or bind 127.0.0.1"
         )
@@ -103,7 +105,7 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.bind(addr)
     except OSError as err:
         sock.close()
-        raise SpecError(
+        raise UsageError(
             f"cannot listen on {host}:{port}: {err.strerror}. Stop what uses that port, or "
             "choose another with --port"
         ) from err

@@ -7,6 +7,7 @@ parameters, a mechanism's applicability, a trace's shape) live in `failbench_ray
 from __future__ import annotations
 
 import json
+from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
@@ -154,7 +155,16 @@ class FailureTrace(_Strict):
         return data
 
 
+class Quiesce(str, Enum):
+    """How survivors get out of the collective a dead rank left them in."""
+
+    ABORT = "abort"  # the driver aborts their waits: fast, keeps their state
+    KILL_SURVIVORS = "kill_survivors"  # fast, loses their state
+    WAIT_TIMEOUT = "wait_timeout"  # what real jobs do: the process group's timeout
+
+
 QuiesceStrategy = Literal["abort", "kill_survivors", "wait_timeout"]
+assert set(QuiesceStrategy.__args__) == {q.value for q in Quiesce}  # type: ignore[attr-defined]
 
 
 class ExperimentSpec(_Strict):

@@ -308,11 +308,15 @@ class Worker:
     def progress(self) -> int:
         return self.step
 
-    def call_trainer(self, method: str, *args: Any) -> Any:
-        """Serve a peer's request to this rank's trainer (e.g. a parameter server's push/pull),
-        on one of the actor's extra threads."""
+    def identity(self) -> dict[str, Any]:
+        """Whose rank this process is now (a pooled process's actor name does not say)."""
+        return {"rank": getattr(self, "rank", -1), "trial": self.trial, "pid": os.getpid()}
+
+    def serve_peer(self, request: Any) -> Any:
+        """Hand a peer's request (the architecture's own typed message, e.g. a parameter
+        server's push or pull) to this rank's trainer, on one of the actor's extra threads."""
         assert self.trainer is not None, "join() before serving peers"
-        return getattr(self.trainer, method)(*args)
+        return self.trainer.serve(request)
 
     def drain(self) -> tuple[list[StepRecord], list[CheckpointEvent]]:
         """Hand over the records kept so far (also from the second thread, e.g. before a kill)."""

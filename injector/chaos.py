@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -78,20 +78,20 @@ class Chaos:
                 self._cond.wait_for(lambda: index in self._fired, timeout=_ARRIVAL_TIMEOUT_S)
         return "exit" if KILL_KINDS.get(event.kill).by_worker and index in self._fired else "go"
 
-    def on_phase(self, phase: str, committed_step: int) -> list[dict[str, Any]]:
+    def on_phase(self, phase: str, committed_step: int) -> list[Injection]:
         """A recovery phase starts: fire the next cascading event that waits for it."""
         with self._cond:
             for i, e in enumerate(self.events):
                 if i in self._fired:
                     continue
                 if e.during == phase and (i == 0 or i - 1 in self._fired):
-                    return [asdict(self._fire_locked(i, committed_step))]
+                    return [self._fire_locked(i, committed_step)]
                 break  # events fire in order
         return []
 
-    def injections(self) -> list[dict[str, Any]]:
+    def injections(self) -> list[Injection]:
         with self._cond:
-            return [asdict(self._fired[i]) for i in sorted(self._fired)]
+            return [self._fired[i] for i in sorted(self._fired)]
 
     def fired(self) -> list[int]:
         with self._cond:

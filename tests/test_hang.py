@@ -18,24 +18,24 @@ from failbench_ray.storage.db import Database
 
 
 def _stop_rank_when_training(rank: int, at_step: int, stopped: list[int]) -> None:
-    """SIGSTOP the worker of `rank` once it has completed `at_step` (it hangs, it does not die)."""
+    """SIGSTOP the worker of `rank` once it has completed `at_step` (it hangs, it does not die).
+    Its actor is a pooled process or one named after the trial: each says whose rank it is."""
     import ray
     from ray.util import list_named_actors
 
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        names = [
-            a
-            for a in list_named_actors(all_namespaces=True)
-            if a["name"].endswith(f"-rank{rank}-i0")
-        ]
-        if names:
-            handle = ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
+        for a in list_named_actors(all_namespaces=True):
+            if not a["name"].startswith("fb-") or "-chaos" in a["name"]:
+                continue
             with contextlib.suppress(Exception):
+                handle = ray.get_actor(a["name"], namespace=a["namespace"])
+                me = ray.get(handle.identity.remote(), timeout=5)
+                if me["rank"] != rank or not me["trial"]:
+                    continue
                 if ray.get(handle.progress.remote(), timeout=5) >= at_step:
-                    pid = ray.get(handle.ready.remote(), timeout=5)["pid"]
-                    os.kill(pid, signal.SIGSTOP)
-                    stopped.append(pid)
+                    os.kill(me["pid"], signal.SIGSTOP)
+                    stopped.append(me["pid"])
                     return
         time.sleep(0.1)
 

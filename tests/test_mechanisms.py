@@ -329,7 +329,11 @@ def check_cell(arch: str, mechanism: str, failures: dict[str, Any], url: str, ou
     assert last.phases.caught_up_s is not None, last
     # How the dead rank came back: a standby (hot spare) is warm, a new process cold; gossip
     # goes on without it. (Several at once may outnumber the spares: some come back cold.)
+    # Where survivors are killed to quiesce (collectives that cannot be aborted), they come
+    # back cold beside the spare.
     want = "none" if arch == "gossip" else "warm" if mechanism == "hot_spare" else "cold"
+    if last.quiesce == "kill_survivors":
+        want = "cold"
     if len(trial.failures) == 1 and len(last.ranks) == 1 or want != "warm":
         assert last.replacement == want, last
     if arch == "gossip":  # gossip goes on without the dead, whatever the mechanism

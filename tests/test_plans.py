@@ -404,12 +404,12 @@ def test_single_exit_event_fires_when_the_victim_arrives() -> None:
     t0 = time.time()
     assert chaos.reached(0, 1, 3) == "exit"
     (inj,) = chaos.injections()
-    assert inj["index"] == 0
-    assert inj["ranks"] == [1]
-    assert inj["kill_kind"] == "exit"
-    assert inj["trigger"] == "step=3"
-    assert inj["step"] == 3
-    assert t0 <= inj["t_injected"] <= time.time()
+    assert inj.index == 0
+    assert inj.ranks == [1]
+    assert inj.kill_kind == "exit"
+    assert inj.trigger == "step=3"
+    assert inj.step == 3
+    assert t0 <= inj.t_injected <= time.time()
     assert chaos.fired() == [0]
 
 
@@ -424,7 +424,7 @@ def test_concurrent_event_waits_for_every_victim() -> None:
     first.join(timeout=5)
     assert answers == ["exit"]
     (inj,) = chaos.injections()
-    assert inj["ranks"] == [1, 2]
+    assert inj.ranks == [1, 2]
 
 
 def test_sigkill_kills_exactly_the_targets() -> None:
@@ -463,11 +463,11 @@ def test_cascading_events_fire_in_order_on_their_phase() -> None:
     assert chaos.on_phase("quiescing", 4) == []
     assert chaos.on_phase("reforming", 4) == []  # event 2 waits for event 1
     (inj,) = chaos.on_phase("restoring", 4)
-    assert (inj["index"], inj["ranks"], inj["step"]) == (1, [1], 4)
-    assert inj["trigger"] == "during=restoring"
+    assert (inj.index, inj.ranks, inj.step) == (1, [1], 4)
+    assert inj.trigger == "during=restoring"
     assert chaos.on_phase("restoring", 4) == []  # fires once
     (inj,) = chaos.on_phase("reforming", 4)
-    assert inj["index"] == 2
+    assert inj.index == 2
     assert chaos.fired() == [0, 1, 2]
 
 
@@ -479,8 +479,8 @@ def test_time_triggered_event() -> None:
         while not chaos.fired() and time.time() < deadline:
             time.sleep(0.01)
         (inj,) = chaos.injections()
-        assert inj["step"] is None
-        assert inj["trigger"] == "t=0.05s"
+        assert inj.step is None
+        assert inj.trigger == "t=0.05s"
         # the victim is told to end itself when it next reaches a failpoint
         assert chaos.reached(0, 3, 9) == "exit"
         assert len(chaos.injections()) == 1
@@ -500,4 +500,4 @@ def test_kill_during_checkpoint_write_event() -> None:
     chaos = Chaos([{"ranks": [0], "at_step": 20, "during": "checkpoint_write", "kill": "exit"}])
     assert chaos.events[0].worker_point == ("checkpoint_write", 20)
     assert chaos.reached(0, 0, 20) == "exit"
-    assert chaos.injections()[0]["trigger"] == "during=checkpoint_write@20"
+    assert chaos.injections()[0].trigger == "during=checkpoint_write@20"

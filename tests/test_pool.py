@@ -102,3 +102,32 @@ def test_the_pool_keeps_only_processes_that_reset_clean(sqlite_url: str, tmp_pat
         assert ray.get(handle.reset.remote()).reason is None  # nothing left to shed
         assert ray.get(handle.leftovers.remote()) == {}
     assert pool.stats().idle >= 1
+
+
+@pytest.mark.usefixtures("no_leaks")
+def test_a_cancelled_trial_leaves_only_reset_processes(sqlite_url: str, tmp_path: Path) -> None:
+    """A cancel stops a trial mid-training: its processes are ended or reset into the pool,
+    never kept with anything of the trial (the service's cancel, at the engine's level)."""
+    import time
+
+    import ray
+
+    from failbench_ray.errors import TrialInterrupted
+    from failbench_ray.runner import run_experiment
+    from failbench_ray.spec import parse_spec
+
+    spec = parse_spec({**CELL, "architecture": "ddp", "steps": 100_000, "baseline": False})
+    t0 = time.monotonic()
+    db = Database(sqlite_url)
+    try:
+        with pytest.raises(TrialInterrupted, match="cancelled"):
+            run_experiment(
+                spec,
+                db=db,
+                out_dir=tmp_path / "runs",
+                should_stop=lambda: "cancelled" if time.monotonic() - t0 > 8 else None,
+            )
+    finally:
+        db.dispose()
+    for handle in shared_pool().idle_workers():
+        assert ray.get(handle.leftovers.remote()) == {}

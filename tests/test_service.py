@@ -100,7 +100,11 @@ def test_a_served_experiment_runs_and_reads_like_the_cli(tmp_path: Path) -> None
 
 
 def test_cancel_stops_a_running_experiment_and_its_actors(tmp_path: Path) -> None:
-    srv = Server(tmp_path, f"sqlite:///{tmp_path / 'fb.db'}", dispatchers=1)
+    # Fresh processes, so that every actor of the run is one to see gone; with reuse (the
+    # default) they are reset into the pool instead (tests/test_pool.py checks that).
+    srv = Server(
+        tmp_path, f"sqlite:///{tmp_path / 'fb.db'}", dispatchers=1, extra=["--fresh-workers"]
+    )
     try:
         srv.wait_up()
         with srv.client() as api:

@@ -125,6 +125,34 @@ def test_downgrade_drops_everything_and_upgrade_restores_it(db: Database) -> Non
     assert set(inspect(db.engine).get_table_names()) == TABLES | {"alembic_version"}
 
 
+def test_0004_splits_the_quiesce_reason_out_of_old_rows(db: Database) -> None:
+    """Rows written before 0004 kept the reason inside the strategy's string; upgrading
+    splits it out, and downgrading puts it back."""
+    exp = new_experiment(db)
+    with db.session() as s:
+        trial = repo.create_trial(s, experiment_id=exp, kind="trial", index=0)
+        repo.add_failures(s, trial, failures())
+    config = alembic_config()
+    old = "kill_survivors (abort: fsdp's collectives are not abortable)"
+    with db.engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.downgrade(config, "0003")
+        conn.execute(text("UPDATE recovery_events SET quiesce = :q"), {"q": old})
+    migrate(db.engine)
+    with db.session() as s:
+        got = repo.load_failures(s, trial)
+    assert [(f.quiesce, f.quiesce_reason) for f in got] == [
+        ("kill_survivors", "abort: fsdp's collectives are not abortable")
+    ] * 2
+    with db.engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.downgrade(config, "0003")
+        assert conn.execute(
+            text("SELECT DISTINCT quiesce FROM recovery_events")
+        ).scalars().all() == [old]
+    migrate(db.engine)
+
+
 # ---------------------------------------------------------------------------------------------
 # Round trip
 

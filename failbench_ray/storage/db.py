@@ -23,6 +23,8 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import ConnectionPoolEntry
 
+from failbench_ray.errors import DatabaseError
+
 DEFAULT_DB_URL = "sqlite:///failbench.db"
 ENV_VAR = "FAILBENCH_DB_URL"
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
@@ -43,10 +45,6 @@ _DRIVER_PREFIXES = re.compile(
 DEFAULT_POOL_SIZE = 10
 # Any constant: serializes concurrent `migrate` calls (several workers starting at once).
 _PG_MIGRATION_LOCK = 0x46424D47
-
-
-class DatabaseError(Exception):
-    """The database cannot be used as configured; the message says what to change."""
 
 
 def resolve_db_url(url: str | None = None) -> str:

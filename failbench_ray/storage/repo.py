@@ -16,6 +16,7 @@ from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from failbench_ray.errors import ExperimentNotFound, SweepNotFound
 from failbench_ray.records import PHASES, CheckpointEvent, FailureRecord, StepRecord
 from failbench_ray.results import BaselineResult, ExperimentResult, TrialResult, failure_result
 from failbench_ray.storage.tables import (
@@ -34,17 +35,6 @@ from failbench_ray.storage.tables import (
     new_id,
     utcnow,
 )
-
-
-class ExperimentNotFound(LookupError):
-    """Raised for an unknown experiment id (a user typo, usually)."""
-
-    def __init__(self, experiment_id: str, *, ambiguous: bool = False) -> None:
-        message = f"no experiment with id {experiment_id} in this database"
-        if ambiguous:
-            message = f"several experiments have an id starting {experiment_id}; give more of it"
-        super().__init__(message)
-        self.experiment_id = experiment_id
 
 
 def _check(value: str, allowed: Sequence[str], what: str) -> None:
@@ -294,6 +284,7 @@ def _failure_row(trial_id: int, f: FailureRecord) -> dict[str, Any]:
         "injected_at_step": int(f.injected_at_step),
         "t_injected": float(f.t_injected),
         "quiesce": f.quiesce,
+        "quiesce_reason": f.quiesce_reason,
         "replacement": f.replacement,
         "restore_source": f.restore_source,
         "restored_from_step": f.restored_from_step,
@@ -356,6 +347,7 @@ def _failure_record(row: RecoveryEventRow) -> FailureRecord:
         injected_at_step=row.injected_at_step,
         t_injected=row.t_injected,
         quiesce=row.quiesce,
+        quiesce_reason=row.quiesce_reason,
         replacement=row.replacement,
         restore_source=row.restore_source,
         restored_from_step=row.restored_from_step,
@@ -424,12 +416,6 @@ def load_result(session: Session, experiment_id: str) -> ExperimentResult:
 
 # ---------------------------------------------------------------------------------------------
 # Sweeps
-
-
-class SweepNotFound(LookupError):
-    def __init__(self, sweep_id: str) -> None:
-        super().__init__(f"no sweep with id {sweep_id} in this database")
-        self.sweep_id = sweep_id
 
 
 @dataclass(frozen=True)

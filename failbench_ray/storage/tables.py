@@ -202,6 +202,7 @@ class RecoveryEventRow(Base):
     injected_at_step: Mapped[int]
     t_injected: Mapped[float]
     quiesce: Mapped[str] = mapped_column(default="")
+    quiesce_reason: Mapped[str] = mapped_column(default="")
     replacement: Mapped[str] = mapped_column(default="")  # cold | warm | none
     restore_source: Mapped[str] = mapped_column(default="")
     restored_from_step: Mapped[int | None]
