@@ -385,9 +385,11 @@ LEAK_LIMIT_S = 40 * 60
 
 
 def leak_verdict(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    """From `failbench sweep --resource-log` lines: the driver's and each pooled worker's
-    memory, threads and open files at the end against after cell 5 (workers compared by pid:
-    one that was ended meanwhile has no end value), and any actor alive between cells."""
+    """From `failbench sweep --resource-log` lines: the driver's memory, threads and open files
+    at the end against after cell 5; the same for the pooled processes, as the largest value
+    over the idle ones (processes come and go as ranks are killed, so the pool is compared as
+    a whole), and for the longest-lived one against its own first sample; and any actor alive
+    between cells."""
     if len(samples) <= LEAK_REFERENCE_CELL:
         return {"met": False, "why": f"only {len(samples)} cells logged"}
     ref, end = samples[LEAK_REFERENCE_CELL - 1], samples[-1]
@@ -396,28 +398,32 @@ def leak_verdict(samples: list[dict[str, Any]]) -> dict[str, Any]:
     def ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
         return {k: b[k] / a[k] for k in keys if a.get(k)}
 
+    def largest(sample: dict[str, Any]) -> dict[str, int]:
+        return {k: max((w[k] for w in sample["pooled"]), default=0) for k in keys}
+
     driver = ratios(ref["driver"], end["driver"])
-    at_end = {w["pid"]: w for w in end["pooled"]}
-    workers = {
-        str(w["pid"]): ratios(w, at_end[w["pid"]]) for w in ref["pooled"] if w["pid"] in at_end
-    }
+    pooled = ratios(largest(ref), largest(end))
+    seen: dict[int, list[dict[str, Any]]] = {}
+    for sample in samples:
+        for w in sample["pooled"]:
+            seen.setdefault(w["pid"], []).append(w)
+    oldest_pid, life = max(seen.items(), key=lambda kv: len(kv[1]))
+    oldest = {"pid": oldest_pid, "cells": len(life), **ratios(life[0], life[-1])}
     alive = {s["cell"]: s["other_actors_alive"] for s in samples if s["other_actors_alive"]}
-    worst = max([*driver.values(), *(r for w in workers.values() for r in w.values())])
-    flat = all(
-        abs(r - 1) <= LEAK_TOLERANCE
-        for r in [*driver.values()] + [r for w in workers.values() for r in w.values()]
-    )
+    every = [*driver.values(), *pooled.values(), *(oldest[k] for k in keys if k in oldest)]
     return {
-        "met": flat and not alive and bool(workers),
+        "met": all(abs(r - 1) <= LEAK_TOLERANCE for r in every) and not alive and bool(pooled),
         "cells": len(samples),
         "driver_after_cell5": {k: ref["driver"][k] for k in keys},
         "driver_at_end": {k: end["driver"][k] for k in keys},
         "driver_ratio": driver,
-        "workers_compared": len(workers),
-        "worker_ratios": workers,
-        "worst_ratio": worst,
+        "pooled_largest_after_cell5": largest(ref),
+        "pooled_largest_at_end": largest(end),
+        "pooled_ratio": pooled,
+        "longest_lived_worker": oldest,
+        "worst_ratio": max(every),
         "actors_alive_between_cells": alive,
-        "pool_at_end": {k: end[k] for k in ("started", "reused", "ended", "idle")},
+        "pool_at_end": {k: end[k] for k in ("started", "reused", "ended", "idle", "parked")},
     }
 
 

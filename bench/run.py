@@ -695,8 +695,10 @@ def mechanism_lines(g: dict[str, Any], line: Callable[[str, str], None]) -> list
                 "pool_leaks",
                 f"{m.get('cells')} cells in {m.get('wall_s', 0) / 60:.1f} min: driver end/cell5 "
                 + ", ".join(f"{k} {v:.3f}x" for k, v in d.items())
-                + f"; {m.get('workers_compared')} pooled workers, worst ratio "
-                f"{m.get('worst_ratio', 0):.3f}x; actors alive between cells: "
+                + "; pooled (largest) "
+                + ", ".join(f"{k} {v:.3f}x" for k, v in m.get("pooled_ratio", {}).items())
+                + f"; longest-lived worker {m.get('longest_lived_worker', {}).get('cells')} cells;"
+                f" worst ratio {m.get('worst_ratio', 0):.3f}x; actors alive between cells: "
                 f"{len(m.get('actors_alive_between_cells', {}))} (goal within 10%, none)",
             )
     return []

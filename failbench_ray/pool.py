@@ -96,6 +96,10 @@ class WorkerPool:
         self._holders: list[Any] = []  # idle replica holders (inmem_replica)
         self._parked: list[tuple[float, str, Any]] = []  # (retry at, node, worker)
         self._mine: set[Any] = set()  # actor ids of every live process the pool made
+        # Workers lent to trials now, and the most ever lent at once: the pool keeps no more
+        # idle than that (a working set, not every process a sweep ever started).
+        self._lent: set[Any] = set()
+        self._high = 0
         self._names = itertools.count()
         self._prefix = f"fb-pool-{os.getpid()}"
         self.started = self.reused = self.ended = 0
@@ -119,13 +123,20 @@ class WorkerPool:
                     self.reused += 1
                 else:
                     out.append((self._new_worker(node), False))
+                self._lend(out[-1][0])
         return out
+
+    def _lend(self, handle: Any) -> None:
+        self._lent.add(handle._actor_id)
+        self._high = max(self._high, len(self._lent))
 
     def new_worker(self, node: str) -> Any:
         """A new process on `node`, never an idle one (a replacement for a dead rank: cold).
         It joins the pool when its trial ends."""
         with self._lock:
-            return self._new_worker(node)
+            handle = self._new_worker(node)
+            self._lend(handle)
+            return handle
 
     def _new_worker(self, node: str) -> Any:
         from failbench_ray.worker import WorkerActor
@@ -183,6 +194,8 @@ class WorkerPool:
         """Reset `workers` and `holders` (pooled ones; dead ones are forgotten) and keep those
         that can serve again; end the others."""
         workers = [h for h in workers if self.owns(h)]
+        with self._lock:
+            self._lent -= {h._actor_id for h in workers}
         if chaos is not None and self.owns(chaos):
             chaos.stop.remote()
             with self._lock:
@@ -214,7 +227,8 @@ class WorkerPool:
                 break
             time.sleep(_RESET_ROUND_GAP_S)
         with self._lock:
-            room = _MAX_IDLE - sum(map(len, self._idle.values())) - len(self._parked)
+            keep_at_most = min(_MAX_IDLE, max(self._high, 1))
+            room = keep_at_most - sum(map(len, self._idle.values())) - len(self._parked)
             for node, h in keep:
                 if room > 0:
                     self._idle[node].append(h)
@@ -260,6 +274,7 @@ class WorkerPool:
         """A pooled process that was killed (a failure, or its survivors ended)."""
         with self._lock:
             self._mine.discard(handle._actor_id)
+            self._lent.discard(handle._actor_id)
 
     def _end(self, handles: list[Any]) -> None:
         for h in handles:

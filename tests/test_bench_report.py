@@ -60,23 +60,27 @@ def _sample(cell: int, rss: int, threads: int, pids: tuple[int, ...], alive: lis
         "driver": {"pid": 1, **proc},
         "pooled": [{"pid": p, **proc} for p in pids],
         "other_actors_alive": alive,
-        "started": 4, "reused": 10 * cell, "ended": 1, "idle": len(pids),
+        "started": 4, "reused": 10 * cell, "ended": 1, "idle": len(pids), "parked": 0,
     }  # fmt: skip
 
 
-def test_leak_verdict_compares_the_end_with_cell_five_by_process() -> None:
+def test_leak_verdict_compares_the_end_with_cell_five() -> None:
     from bench.mechanisms import leak_verdict
 
     flat = [_sample(i, 100 + i % 3, 30, (7, 8), []) for i in range(1, 51)]
     v = leak_verdict(flat)
-    assert v["met"] and v["workers_compared"] == 2 and v["cells"] == 50
+    assert v["met"] and v["cells"] == 50 and v["longest_lived_worker"]["cells"] == 50
     # memory that grows 20% fails; so does an actor left alive after a cell
     grows = flat[:-1] + [_sample(50, 125, 30, (7, 8), [])]
     assert not leak_verdict(grows)["met"] and leak_verdict(grows)["worst_ratio"] > 1.2
     left = flat[:20] + [_sample(21, 100, 30, (7, 8), ["fb-x-rank0-i0"])] + flat[21:]
     assert not leak_verdict(left)["met"]
     assert leak_verdict(left)["actors_alive_between_cells"] == {"c21": ["fb-x-rank0-i0"]}
-    # a worker ended meanwhile is not compared; with none left to compare, nothing is shown
+    # processes replaced meanwhile: the pool is compared as a whole (its largest values)
     replaced = flat[:-1] + [_sample(50, 101, 30, (9,), [])]
-    assert not leak_verdict(replaced)["met"] and leak_verdict(replaced)["workers_compared"] == 0
+    assert leak_verdict(replaced)["met"]
+    threads = flat[:-1] + [_sample(50, 101, 40, (9,), [])]
+    assert (
+        not leak_verdict(threads)["met"] and leak_verdict(threads)["pooled_ratio"]["threads"] > 1.3
+    )
     assert not leak_verdict(flat[:4])["met"]
