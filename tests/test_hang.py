@@ -17,13 +17,19 @@ from failbench_ray.spec import parse_spec
 from failbench_ray.storage.db import Database
 
 
-def _stop_rank_when_training(rank: int, at_step: int, stopped: list[int]) -> None:
+def _stop_rank_when_training(
+    rank: int, at_step: int, experiments: list[str], stopped: list[int]
+) -> None:
     """SIGSTOP the worker of `rank` once it has completed `at_step` (it hangs, it does not die).
-    Its actor is a pooled process or one named after the trial: each says whose rank it is."""
+    Its actor is a pooled process or one named after the trial: each says whose rank of which
+    trial it is (a pooled process parked since an earlier test still says its old one)."""
     import ray
     from ray.util import list_named_actors
 
     deadline = time.monotonic() + 120
+    while not experiments and time.monotonic() < deadline:
+        time.sleep(0.1)
+    trial = f"{experiments[0][:8]}-trial0" if experiments else ""
     while time.monotonic() < deadline:
         for a in list_named_actors(all_namespaces=True):
             if not a["name"].startswith("fb-") or "-chaos" in a["name"]:
@@ -31,7 +37,7 @@ def _stop_rank_when_training(rank: int, at_step: int, stopped: list[int]) -> Non
             with contextlib.suppress(Exception):
                 handle = ray.get_actor(a["name"], namespace=a["namespace"])
                 me = ray.get(handle.identity.remote(), timeout=5)
-                if me["rank"] != rank or not me["trial"]:
+                if me["rank"] != rank or me["trial"] != trial:
                     continue
                 if ray.get(handle.progress.remote(), timeout=5) >= at_step:
                     os.kill(me["pid"], signal.SIGSTOP)
@@ -58,11 +64,14 @@ def test_a_hung_rank_fails_the_trial_with_a_reason_instead_of_holding_it(
         }
     )
     stopped: list[int] = []
-    stopper = threading.Thread(target=_stop_rank_when_training, args=(1, 5, stopped))
+    experiments: list[str] = []
+    stopper = threading.Thread(target=_stop_rank_when_training, args=(1, 5, experiments, stopped))
     stopper.start()
     db = Database(sqlite_url)
     try:
-        result = run_experiment(spec, db=db, out_dir=tmp_path / "runs")
+        result = run_experiment(
+            spec, db=db, out_dir=tmp_path / "runs", on_created=experiments.append
+        )
     finally:
         stopper.join()
         for pid in stopped:  # let the stopped process take its SIGKILL if it has not yet
