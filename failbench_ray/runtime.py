@@ -26,6 +26,11 @@ def connect(
 ) -> bool:
     """Join `address` (or RAY_ADDRESS), else start a local cluster. True if started here.
 
+    Never the cluster that Ray's `ray_current_cluster` file names: `ray.init()` without an
+    address joins it, and a `ray start` or test cluster killed before it could clean up leaves
+    it behind, naming a dead GCS that `ray.init()` then waits for (CI once lost every Ray test
+    that way).
+
     `dashboard`: the local cluster runs Ray's dashboard on loopback (Ray's token authentication
     stays on: `ray get-auth-token` prints the token it asks for)."""
     if ray.is_initialized():
@@ -37,6 +42,7 @@ def connect(
             log.warning("Ray dashboard of the cluster joined: http://%s", ctx.dashboard_url)
         return False
     ctx = ray.init(
+        address="local",
         _node_ip_address="127.0.0.1",
         include_dashboard=dashboard,
         dashboard_host="127.0.0.1",

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,14 +31,25 @@ SPEC = {
 }
 
 
-def failbench(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def failbench(
+    *args: str, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "failbench_ray.cli", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
+        env={**os.environ, **(env or {})},
     )
+
+
+def _closed_port() -> int:
+    """A loopback port with nothing listening on it (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
 
 
 def session_processes(sid: int) -> list[int]:
@@ -57,7 +71,20 @@ def test_run_json_then_show_reads_the_same_result(tmp_path: Path) -> None:
     spec = tmp_path / "spec.yaml"
     spec.write_text(yaml.safe_dump(SPEC))
     db = f"sqlite:///{tmp_path / 'fb.db'}"
-    ran = failbench("run", str(spec), "--json", "--db", db, "--out", "runs", cwd=tmp_path)
+    # Ray's "latest cluster" file left behind by a cluster killed before it cleaned up, naming a
+    # GCS nobody listens on: a plain `ray.init()` waits for it forever (CI lost every Ray test
+    # to one). `failbench run` starts its own cluster all the same. (A short folder: Ray's
+    # socket paths must fit in 107 bytes.)
+    ray_tmp = Path(tempfile.mkdtemp(prefix="fbrt", dir="/tmp"))
+    (ray_tmp / "ray").mkdir()
+    (ray_tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{_closed_port()}")
+    try:
+        ran = failbench(
+            "run", str(spec), "--json", "--db", db, "--out", "runs",
+            cwd=tmp_path, env={"RAY_TMPDIR": str(ray_tmp)},
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert ran.returncode == 0, ran.stderr
     result = json.loads(ran.stdout)
     trial = result["trials"][0]

@@ -7,9 +7,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +37,17 @@ def _run(tmp_path: Path, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         paths.append(tmp_path / f"spec{i}.json")
         paths[-1].write_text(json.dumps(spec))
     log = tmp_path / "multinode.log"
+    # Ray's files for this cluster in a folder of its own: `Cluster` writes its address to
+    # <RAY_TMPDIR>/ray/ray_current_cluster, which a plain `ray.init()` on this machine would join
+    # long after the cluster is killed. (Short: Ray's socket paths must fit in 107 bytes.)
+    ray_tmp = tempfile.mkdtemp(prefix="fbmn", dir="/tmp")
     with open(log, "wb") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.multinode", str(tmp_path), *map(str, paths)],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=err,
+            env={**os.environ, "RAY_TMPDIR": ray_tmp},
             start_new_session=True,  # its raylets too: stopped together below
         )
         try:
@@ -49,6 +56,7 @@ def _run(tmp_path: Path, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)  # whatever of its cluster is left
             proc.wait()
+            shutil.rmtree(ray_tmp, ignore_errors=True)
     assert proc.returncode == 0, log.read_text()[-4000:]
     return [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
 
