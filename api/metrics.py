@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from failbench_ray import queue
+from failbench_ray.storage import queue
 from failbench_ray.storage.db import Database
 from failbench_ray.storage.tables import EXPERIMENT_STATUSES
 

@@ -21,28 +21,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-if TYPE_CHECKING:
-    from bench.run import BenchConfig, Env
+from bench.common import MB, ddp_spec, state_of_size, with_status
 
-MB = 1 << 20
+if TYPE_CHECKING:
+    from bench.common import BenchConfig, Env
+
 RESTORE_GOAL = 0.5
 DISK_GOAL = 0.8
 ASYNC_GOAL = 1 / 3
 SPARE_GOAL = 0.3
-
-
-def _state(nbytes: int, seed: int = 0) -> dict[str, Any]:
-    """A model-and-optimizer-shaped state of about `nbytes` (float32 tensors of a few sizes)."""
-    g = torch.Generator().manual_seed(seed)
-    n = nbytes // 4
-    sizes = [n // 2, n // 4, n // 8, n - n // 2 - n // 4 - n // 8]
-    model = {f"layer{i}.weight": torch.randn(s, generator=g) for i, s in enumerate(sizes[:2])}
-    opt = {str(i): {"exp_avg": torch.randn(s, generator=g)} for i, s in enumerate(sizes[2:])}
-    return {"model": model, "optimizer": {"state": opt, "param_groups": [{"lr": 0.01}]}}
-
-
-def _status(out: dict[str, Any]) -> dict[str, Any]:
-    return {**out, "status": "met" if out["met"] else "not met"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -55,7 +42,7 @@ class _Source:
     def __init__(self, nbytes: int) -> None:
         from mechanisms.replication import pack
 
-        self.packed = pack(_state(nbytes))
+        self.packed = pack(state_of_size(nbytes))
 
     def snapshot_for(self, step: int) -> Any:
         return self.packed
@@ -69,7 +56,7 @@ class _Replacement:
 
         torch.set_num_threads(1)
         self.nbytes = nbytes
-        shapes = _state(nbytes)
+        shapes = state_of_size(nbytes)
         self.live = [t.clone().zero_() for t in _flat(shapes)]
         self.unpack = unpack
 
@@ -122,7 +109,7 @@ def goal_inmem_restore(cfg: BenchConfig) -> dict[str, Any]:
     memcpy_gbs = nbytes / statistics.median(memcpy) / 1e9
     restore_gbs = nbytes / statistics.median(restore) / 1e9
     ratio = restore_gbs / memcpy_gbs
-    return _status(
+    return with_status(
         {
             "goal": f"restore of a 100 MB state from a replica holder >= {RESTORE_GOAL}x memcpy",
             "met": ratio >= RESTORE_GOAL,
@@ -156,7 +143,7 @@ def goal_disk_write(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
 
     from mechanisms import checkpoint_io as io
 
-    state = _state(100 * MB)
+    state = state_of_size(100 * MB)
     where = tmp / "disk-bench"
     where.mkdir(parents=True, exist_ok=True)
     times: dict[str, list[float]] = {"ours": [], "raw": [], "dcp": []}
@@ -187,7 +174,7 @@ def goal_disk_write(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
     shutil.rmtree(where, ignore_errors=True)
     ours, raw, ref = (statistics.median(v) for v in (ours_s, raw_s, dcp_s))
     ratio = raw / ours  # bandwidth ratio for the same bytes
-    return _status(
+    return with_status(
         {
             "goal": f"disk_ckpt write >= {DISK_GOAL}x raw write+fsync, and <= dcp.save's time",
             "met": ratio >= DISK_GOAL and ours <= ref,
@@ -208,27 +195,8 @@ def goal_disk_write(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
 # Experiments: async vs disk overhead, hot spare vs disk recovery
 
 
-def _ddp(name: str, mechanism: Any, **over: Any) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "name": name,
-        "architecture": "ddp",
-        "world_size": 4,
-        # ~2.1M parameters: 8.4 MB of weights + 16.8 MB of Adam state per rank
-        "model": {"kind": "mlp", "input_dim": 256, "hidden_dim": 1024, "depth": 3},
-        "optimizer": {"name": "adam", "lr": 0.001},
-        "steps": 60,
-        "batch_size": 64,
-        "baseline": False,
-        "mechanism": mechanism,
-        "failures": {"kind": "none"},
-        "warmup_steps": 3,
-    }
-    spec.update(over)
-    return spec
-
-
 def goal_async_overhead(env: Env, cfg: BenchConfig) -> dict[str, Any]:
-    from bench.run import run_spec
+    from bench.common import run_spec
 
     interval = 5
     rounds = 2 if cfg.quick else 3
@@ -243,7 +211,7 @@ def goal_async_overhead(env: Env, cfg: BenchConfig) -> dict[str, Any]:
     # alike; the medians over rounds are compared.
     for i in range(rounds):
         for name, mech in configs:
-            result, _ = run_spec(env, _ddp(f"bench-overhead-{name}-{i}", mech))
+            result, _ = run_spec(env, ddp_spec(f"bench-overhead-{name}-{i}", mech))
             t = result.trials[0]
             if t.status != "completed" or t.mean_step_time_s is None:
                 raise RuntimeError(f"{name}: {t.status}: {t.error}")
@@ -254,7 +222,7 @@ def goal_async_overhead(env: Env, cfg: BenchConfig) -> dict[str, Any]:
     med = {name: statistics.median(v) for name, v in means.items()}
     disk = (med["disk_ckpt"] / med["none"] - 1) * 100
     asyn = (med["async_ckpt"] / med["none"] - 1) * 100
-    return _status(
+    return with_status(
         {
             "goal": "async_ckpt steady-state overhead <= 1/3 of disk_ckpt's (same interval)",
             "met": disk > 0 and asyn <= disk * ASYNC_GOAL,
@@ -272,7 +240,7 @@ def goal_async_overhead(env: Env, cfg: BenchConfig) -> dict[str, Any]:
 
 
 def goal_hot_spare_recovery(env: Env, cfg: BenchConfig) -> dict[str, Any]:
-    from bench.run import run_spec
+    from bench.common import run_spec
 
     trials = 2 if cfg.quick else 3
     resumed: dict[str, list[float]] = {}
@@ -280,7 +248,7 @@ def goal_hot_spare_recovery(env: Env, cfg: BenchConfig) -> dict[str, Any]:
         ("disk_ckpt", {"name": "disk_ckpt", "params": {"interval": 10}}),
         ("hot_spare", "hot_spare"),
     ]:
-        spec = _ddp(
+        spec = ddp_spec(
             f"bench-recovery-{name}",
             mech,
             trials=trials,
@@ -297,7 +265,7 @@ def goal_hot_spare_recovery(env: Env, cfg: BenchConfig) -> dict[str, Any]:
         if len(resumed[name]) != trials:
             raise RuntimeError(f"{name}: {len(resumed[name])} of {trials} failures resumed")
     disk, spare = (statistics.median(resumed[k]) for k in ("disk_ckpt", "hot_spare"))
-    return _status(
+    return with_status(
         {
             "goal": f"hot_spare injected -> resumed <= {SPARE_GOAL}x disk_ckpt's on ddp",
             "met": spare <= SPARE_GOAL * disk,
@@ -320,7 +288,7 @@ def goal_paper_matrix(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
     import json
     import sys
 
-    from bench.run import REPO, _timed_command
+    from bench.common import REPO, timed_command
 
     goal = f"the paper matrix (one trial per cell) < {PAPER_MATRIX_GOAL_S / 60:.0f} min"
     if cfg.quick:
@@ -332,7 +300,7 @@ def goal_paper_matrix(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
     cmd += ["--db", f"sqlite:///{out}/matrix.db", "--out", str(out)]
     resource_log = out / "resources.jsonl"
     cmd += ["--resource-log", str(resource_log)]
-    rc, wall, output = _timed_command(cmd, PAPER_MATRIX_LIMIT_S)
+    rc, wall, output = timed_command(cmd, PAPER_MATRIX_LIMIT_S)
     report: dict[str, Any] | None = None
     # stdout and stderr are merged: the report is the JSON object that starts a line
     for start in [0] + [i + 1 for i, ch in enumerate(output) if ch == "\n"]:
@@ -359,7 +327,7 @@ def goal_paper_matrix(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
     # Context, not this goal: the matrix changes architecture every 27 cells, and a process
     # that has trained a new one holds its modules from then on.
     resources = leak_verdict([json.loads(line) for line in lines])
-    return _status(
+    return with_status(
         {
             "goal": goal,
             "met": rc == 0 and wall < PAPER_MATRIX_GOAL_S,
@@ -431,7 +399,7 @@ def goal_pool_leaks(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
     """`failbench sweep bench/leak_sweep.yaml --resource-log`: 54 cells on reused processes."""
     import sys
 
-    from bench.run import REPO, _timed_command
+    from bench.common import REPO, timed_command
 
     goal = (
         "after a 54-cell sweep, driver and pooled workers' RSS, threads and open files within "
@@ -447,7 +415,7 @@ def goal_pool_leaks(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
     cmd = [str(failbench), "sweep", str(REPO / "bench" / "leak_sweep.yaml"), "--json"]
     cmd += ["--db", f"sqlite:///{out}/leaks.db", "--out", str(out)]
     cmd += ["--resource-log", str(log_path)]
-    rc, wall, output = _timed_command(cmd, LEAK_LIMIT_S)
+    rc, wall, output = timed_command(cmd, LEAK_LIMIT_S)
     samples = (
         [json.loads(line) for line in log_path.read_text().splitlines()]
         if (log_path.exists())
@@ -455,7 +423,7 @@ def goal_pool_leaks(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
     )
     verdict = leak_verdict(samples)
     verdict["met"] = bool(verdict["met"]) and rc == 0
-    return _status(
+    return with_status(
         {
             "goal": goal,
             "wall_s": wall,

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from bench.mechanisms import _ddp, _status
+from bench.common import ddp_spec, with_status
 from failbench_ray import telemetry
 
 if TYPE_CHECKING:
-    from bench.run import BenchConfig, Env
+    from bench.common import BenchConfig, Env
 
 METRICS_GOAL = 1.02
 
@@ -60,7 +60,7 @@ def ab_in_one_run(tmp: Path, blocks: int, block_steps: int) -> dict[str, list[fl
     from mechanisms.base import RestoreInstruction
 
     steps = blocks * block_steps + 1  # the first step (warm-up) belongs to no block
-    spec = parse_spec(_ddp("bench-metrics-ab", "none", steps=steps))
+    spec = parse_spec(ddp_spec("bench-metrics-ab", "none", steps=steps))
     data = spec.model_dump(mode="json")
     tags = telemetry.run_tags("bench-ab", "trial0", "ddp", "none")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -98,7 +98,7 @@ def ab_in_one_run(tmp: Path, blocks: int, block_steps: int) -> dict[str, list[fl
 
 
 def goal_metrics_overhead(env: Env, cfg: BenchConfig) -> dict[str, Any]:
-    from bench.run import run_spec
+    from bench.common import run_spec
 
     rounds = 1 if cfg.quick else 2  # context only: separate runs cannot resolve 2%
     means: dict[str, list[float]] = {"on": [], "off": []}
@@ -106,7 +106,7 @@ def goal_metrics_overhead(env: Env, cfg: BenchConfig) -> dict[str, Any]:
         # alternate which goes first, so a drift in the machine's speed favours neither
         order = ("on", "off") if i % 2 == 0 else ("off", "on")
         for mode in order:
-            spec = _ddp(f"bench-metrics-{mode}-{i}", "none", steps=120, metrics=mode == "on")
+            spec = ddp_spec(f"bench-metrics-{mode}-{i}", "none", steps=120, metrics=mode == "on")
             result, _ = run_spec(env, spec)
             t = result.trials[0]
             if t.status != "completed" or t.mean_step_time_s is None:
@@ -118,7 +118,7 @@ def goal_metrics_overhead(env: Env, cfg: BenchConfig) -> dict[str, Any]:
     ab_mean = {mode: statistics.fmean(v) for mode, v in ab.items()}
     ratio = ab_mean["on"] / ab_mean["off"]
     per_step_s = ray.get(_record_cost.remote(2000))
-    return _status(
+    return with_status(
         {
             "goal": f"step time with metrics on <= {METRICS_GOAL:.2f}x off (same run, same "
             "workers, blocks of steps alternating)",

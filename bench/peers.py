@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.mechanisms import _ddp, _status
+from bench.common import ddp_spec, with_status
 
 if TYPE_CHECKING:
-    from bench.run import BenchConfig, Env
+    from bench.common import BenchConfig, Env
 
 RAY_TRAIN_GOAL = 0.15
 STEPS, KILL_AT, INTERVAL = 30, 15, 10
@@ -29,7 +29,7 @@ MODEL = {"kind": "mlp", "input_dim": 256, "hidden_dim": 1024, "depth": 3}
 
 
 def _train_loop(config: dict[str, Any]) -> None:
-    """Runs in each Ray Train worker: DDP on the same model and data as `_ddp`'s spec."""
+    """Runs in each Ray Train worker: DDP on the same model and data as `ddp_spec`'s spec."""
     import ray.train
     import torch
     from ray.train import Checkpoint
@@ -111,7 +111,7 @@ def ray_train_recovery(tmp: Path, world: int, index: int) -> dict[str, float]:
 
 
 def goal_ray_train(env: Env, cfg: BenchConfig) -> dict[str, Any]:
-    from bench.run import run_spec
+    from bench.common import run_spec
 
     world, rounds = 4, 2 if cfg.quick else 3
     ours: dict[str, list[float]] = {}
@@ -122,7 +122,7 @@ def goal_ray_train(env: Env, cfg: BenchConfig) -> dict[str, Any]:
         ("live_recovery", "live_recovery"),
         ("hot_spare", "hot_spare"),
     ]:
-        spec = _ddp(
+        spec = ddp_spec(
             f"bench-peer-{name}",
             mech,
             model=MODEL,
@@ -140,7 +140,7 @@ def goal_ray_train(env: Env, cfg: BenchConfig) -> dict[str, Any]:
     medians = {k: statistics.median(v) for k, v in ours.items()}
     best = min(medians, key=medians.__getitem__)
     ray_train = statistics.median(r["recovery_s"] for r in theirs)
-    return _status(
+    return with_status(
         {
             "goal": f"our best mechanism's kill -> first step after recovery <= "
             f"{RAY_TRAIN_GOAL}x Ray Train's (TorchTrainer, FailureConfig, checkpoint every "
@@ -166,11 +166,11 @@ def goal_dcp_peer(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
 
     import torch.distributed.checkpoint as dcp
 
-    from bench.mechanisms import MB, _state
+    from bench.common import MB, state_of_size
     from mechanisms import checkpoint_io as io
     from mechanisms.replication import pack
 
-    state = _state(100 * MB)
+    state = state_of_size(100 * MB)
     where = tmp / "dcp-peer"
     where.mkdir(parents=True, exist_ok=True)
 
@@ -221,7 +221,7 @@ def goal_dcp_peer(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
     shutil.rmtree(where, ignore_errors=True)
     med_b = {k: statistics.median(v) for k, v in blocked.items()}
     med_d = {k: statistics.median(v) for k, v in durable.items()}
-    return _status(
+    return with_status(
         {
             "goal": "async_ckpt blocks <= dcp.async_save, disk_ckpt durable <= dcp.save",
             "met": med_b["async_ckpt"] <= med_b["dcp.async_save"]

@@ -25,30 +25,35 @@ import json
 import os
 import platform
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from bench.api import goal_api_load
+from bench.common import (
+    REPO,
+    BenchConfig,
+    Env,
+    describe,
+    log,
+    ray_cluster,
+    recovery_spec,
+    run_spec,
+    status_of,
+    timed_command,
+)
 from bench.monitoring import goal_metrics_overhead
 from bench.peers import goal_dcp_peer, goal_ray_train
 from bench.procs import ForeignCpu, wait_for_no_children
 
 if TYPE_CHECKING:
     from failbench_ray.results import ExperimentResult
-    from failbench_ray.storage.db import Database
 
-REPO = Path(__file__).resolve().parent.parent
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
 
 DETECTION_GOAL_S = 0.050
@@ -57,144 +62,9 @@ OVERHEAD_GOAL_RATIO = 1.10
 MAKE_RUN_GOAL_S = 180.0
 
 QUIESCE_TIMEOUTS_S = (5.0, 600.0)
-EXPERIMENT_LIMIT_S = 420.0  # a watchdog per experiment: a hang becomes an error, not a stall
 PLAIN_LIMIT_S = 240.0
 FOREIGN_WARN_SHARE = 0.05  # warn when other processes took more than this share of the CPUs
 MAKE_RUN_LIMIT_S = 420.0
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    quick: bool
-    trials: int  # trials per recovery experiment (detection, each quiesce timeout)
-    overhead_world: int
-    overhead_pairs: int  # (plain, harness) pairs, run alternately
-    measure_make_run: bool
-
-    @classmethod
-    def make(cls, quick: bool) -> BenchConfig:
-        if quick:
-            return cls(True, trials=2, overhead_world=4, overhead_pairs=1, measure_make_run=False)
-        return cls(False, trials=5, overhead_world=8, overhead_pairs=2, measure_make_run=True)
-
-
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# Statistics
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0..100), linear interpolation between order statistics."""
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def describe(values: list[float]) -> dict[str, Any]:
-    if not values:
-        return {"n": 0, "p50_s": None, "p90_s": None, "max_s": None, "samples_s": []}
-    return {
-        "n": len(values),
-        "p50_s": statistics.median(values),
-        "p90_s": percentile(values, 90),
-        "max_s": max(values),
-        "min_s": min(values),
-        "samples_s": values,
-    }
-
-
-def status_of(met: bool | None) -> str:
-    return {True: "met", False: "not met", None: "not measured"}[met]
-
-
-# ---------------------------------------------------------------------------------------------
-# Processes: the Ray cluster, a watchdog, what is still running
-
-
-@contextmanager
-def ray_cluster() -> Iterator[None]:
-    """A local Ray cluster through the project's `connect()`, shut down (and gone) at the end."""
-    import ray
-
-    from failbench_ray import runtime
-
-    t0 = time.monotonic()
-    runtime.connect()
-    log(f"Ray up in {time.monotonic() - t0:.1f} s")
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        left = wait_for_no_children()
-        if left:
-            log(f"warning: processes still alive after ray.shutdown(): {left}")
-
-
-class WatchdogExpired(Exception):
-    pass
-
-
-@contextmanager
-def watchdog(limit_s: float, what: str) -> Iterator[None]:
-    """Raise WatchdogExpired in the main thread if the block runs longer than `limit_s`."""
-
-    def expire(_signum: int, _frame: FrameType | None) -> None:
-        raise WatchdogExpired(f"{what} did not finish within {limit_s:.0f} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, limit_s)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-# ---------------------------------------------------------------------------------------------
-# Experiments through the project's runner
-
-
-@dataclass(frozen=True)
-class Env:
-    db: Database
-    tmp: Path
-
-
-def recovery_spec(name: str, trials: int, **override: Any) -> dict[str, Any]:
-    """DDP on 4 ranks, small MLP, disk checkpoints every 10 steps, rank 1 SIGKILLed at step 15."""
-    spec: dict[str, Any] = {
-        "name": name,
-        "architecture": "ddp",
-        "world_size": 4,
-        "model": {"kind": "mlp", "input_dim": 64, "hidden_dim": 128, "depth": 2},
-        "steps": 25,
-        "batch_size": 64,
-        "trials": trials,
-        "baseline": False,
-        "mechanism": {"name": "disk_ckpt", "params": {"interval": 10}},
-        "failures": {"kind": "single", "rank": 1, "at_step": 15, "kill": "sigkill"},
-        "quiesce": "abort",
-    }
-    spec.update(override)
-    return spec
-
-
-def run_spec(env: Env, data: dict[str, Any]) -> tuple[ExperimentResult, float]:
-    from failbench_ray.runner import run_experiment
-    from failbench_ray.spec import parse_spec
-
-    spec = parse_spec(data)
-    t0 = time.monotonic()
-    with watchdog(EXPERIMENT_LIMIT_S, f"experiment {spec.name}"):
-        result = run_experiment(spec, db=env.db, out_dir=env.tmp / "runs")
-    wall = time.monotonic() - t0
-    log(f"{spec.name}: {result.status} in {wall:.1f} s (experiment {result.experiment_id})")
-    return result, wall
 
 
 def experiment_summary(result: ExperimentResult, wall_s: float) -> dict[str, Any]:
@@ -428,7 +298,7 @@ def goal_make_run(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
     cmd = [str(failbench), "run", str(QUICKSTART), "--db", f"sqlite:///{out}/bench.db"]
     cmd += ["--out", str(out)]
     out.mkdir(parents=True, exist_ok=True)
-    rc, wall, output = _timed_command(cmd, MAKE_RUN_LIMIT_S)
+    rc, wall, output = timed_command(cmd, MAKE_RUN_LIMIT_S)
     log(f"failbench run: exit {rc} in {wall:.1f} s")
     met = rc == 0 and wall < MAKE_RUN_GOAL_S
     return {
@@ -440,26 +310,6 @@ def goal_make_run(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
         "command": "failbench run examples/quickstart.yaml --db sqlite:///<tmp>/bench.db "
         "--out <tmp>",
     }
-
-
-def _timed_command(cmd: list[str], limit_s: float) -> tuple[int, float, str]:
-    """Run `cmd` from the repository root; on a hang, Ctrl-C it (it stops its actors), then kill."""
-    env = {**os.environ, "COLUMNS": "160"}
-    t0 = time.monotonic()
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    try:
-        output, _ = proc.communicate(timeout=limit_s)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)
-        try:
-            output, _ = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            output, _ = proc.communicate()
-        output += f"\n[bench] killed after {limit_s:.0f} s"
-    return proc.returncode, time.monotonic() - t0, output
 
 
 def foreign_cpu(foreign: ForeignCpu) -> dict[str, float]:

@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _service(args: argparse.Namespace) -> int:
     import logging
 
-    from failbench_ray import service
+    from service import serve as service
 
     if args.dispatchers < 0 or (args.command == "dispatch" and args.dispatchers < 1):
         raise _usage(f"--dispatchers {args.dispatchers}: give a number of at least 1")

@@ -45,8 +45,8 @@ def test_a_spec_error_is_only_for_a_spec() -> None:
     """A busy port or a bad question is a usage error (exit 2, 422), not a spec error."""
     import socket
 
-    from failbench_ray import service
     from failbench_ray.recommend import Question, recommend
+    from service import serve as service
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -11,9 +11,8 @@ from typing import Any
 import pytest
 from sqlalchemy import update
 
-from failbench_ray import queue
 from failbench_ray.spec import ExperimentSpec, parse_spec
-from failbench_ray.storage import repo
+from failbench_ray.storage import queue, repo
 from failbench_ray.storage.db import Database
 from failbench_ray.storage.tables import Experiment, Trial, utcnow
 

@@ -13,9 +13,8 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from failbench_ray import queue
 from failbench_ray.spec import parse_spec
-from failbench_ray.storage import repo
+from failbench_ray.storage import queue, repo
 from failbench_ray.storage.db import Database
 from failbench_ray.storage.tables import Experiment, StepRecordRow, Trial
 from tests.service import Process, Server, wait_status

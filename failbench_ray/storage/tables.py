@@ -112,7 +112,7 @@ class Experiment(Base):
     sweep_id: Mapped[str | None] = mapped_column(index=True)
     spec: Mapped[dict[str, Any]]
     error: Mapped[str | None] = mapped_column(Text)
-    # The queue (see `failbench_ray.queue`): runs so far, who holds it and until when.
+    # The queue (see `failbench_ray.storage.queue`): runs so far, who holds it and until when.
     attempts: Mapped[int] = mapped_column(default=0, server_default="0")
     lease_owner: Mapped[str | None]
     lease_expires_at: Mapped[datetime | None]

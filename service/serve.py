@@ -44,7 +44,7 @@ class Dispatching:
 def dispatchers(db: Database, cfg: Dispatching) -> Iterator[threading.Event]:
     """Run `cfg.n` dispatcher threads until the block ends (each finishes its current
     experiment's bookkeeping: a run cut short by the stop goes back to the queue)."""
-    from failbench_ray.dispatcher import Dispatcher
+    from service.dispatcher import Dispatcher
 
     stop = threading.Event()
     threads = []

@@ -20,10 +20,9 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from failbench_ray import queue
 from failbench_ray.errors import FailBenchError, LeaseLost, TrialInterrupted
 from failbench_ray.spec import ExperimentSpec
-from failbench_ray.storage import repo
+from failbench_ray.storage import queue, repo
 from failbench_ray.storage.db import Database
 from failbench_ray.storage.tables import Experiment, SweepCell
 
