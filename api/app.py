@@ -40,7 +40,14 @@ from failbench_ray.recommend import Question, recommend, stored_results
 from failbench_ray.spec import ExperimentSpec
 from failbench_ray.storage import queue, repo
 from failbench_ray.storage.db import Database
-from failbench_ray.storage.tables import EXPERIMENT_STATUSES, Experiment, SweepCell, Trial
+from failbench_ray.storage.status import (
+    CellStatus,
+    ExperimentStatus,
+    cell_counts,
+    cell_status_of,
+    sweep_status_of,
+)
+from failbench_ray.storage.tables import Experiment, SweepCell, Trial
 
 API_VERSION = "v1"
 _BYTES_PER_PARAM = 4 * 3  # fp32 weights + Adam's two moments
@@ -312,7 +319,7 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
     @app.get("/v1/experiments", response_model=schemas.ExperimentPage, dependencies=reader)
     def list_experiments(
         status_: Annotated[
-            str | None, Query(alias="status", description=", ".join(EXPERIMENT_STATUSES))
+            str | None, Query(alias="status", description=", ".join(ExperimentStatus))
         ] = None,
         architecture: Annotated[str | None, Query(pattern=r"^\w{1,64}$")] = None,
         mechanism: Annotated[str | None, Query(pattern=r"^\w{1,64}$")] = None,
@@ -321,10 +328,10 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
         offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
     ) -> schemas.ExperimentPage:
         """Experiments, newest first, filtered and paginated."""
-        if status_ is not None and status_ not in EXPERIMENT_STATUSES:
+        if status_ is not None and status_ not in set(ExperimentStatus):
             raise _unprocessable(
                 ["query", "status"],
-                f"unknown status {status_!r}; one of {', '.join(EXPERIMENT_STATUSES)}",
+                f"unknown status {status_!r}; one of {', '.join(ExperimentStatus)}",
             )
         where = []
         if status_ is not None:
@@ -447,12 +454,16 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
                     continue
                 live = row.experiment_id is not None and s.scalar(
                     select(Experiment.status).where(Experiment.id == row.experiment_id)
-                ) in ("queued", "running", "completed")
+                ) in (ExperimentStatus.QUEUED, ExperimentStatus.RUNNING, ExperimentStatus.COMPLETED)
                 if live:
                     continue
                 got = queue.submit(s, c.spec, sweep_id=sweep_id)
-                repo.set_cell_status(s, sweep_id, c.key, "pending", experiment_id=got.experiment_id)
+                repo.set_cell_status(
+                    s, sweep_id, c.key, CellStatus.PENDING, experiment_id=got.experiment_id
+                )
                 queued.append({"key": c.key, "experiment_id": got.experiment_id})
+            progress = repo.sweep_progress(s, sweep_id)
+            repo.set_sweep_status(s, sweep_id, sweep_status_of(progress, active=True))
         return schemas.SweepSubmitted(sweep_id=sweep_id, experiments=queued, skipped=skipped)
 
     @app.get(
@@ -480,20 +491,20 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
                         architecture=c.architecture,
                         mechanism=c.mechanism,
                         trace=c.trace,
-                        status=_cell_status(c.status, exp_status),
+                        status=(
+                            c.status
+                            if c.status == CellStatus.SKIPPED or exp_status is None
+                            else cell_status_of(exp_status)
+                        ),
                         reason=c.reason,
                         experiment_id=c.experiment_id,
                         experiment_status=exp_status,
                     )
                 )
-        progress = {k: 0 for k in ("pending", "running", "completed", "failed", "skipped")}
+        progress = cell_counts()
         for cell in cells:
             progress[cell.status] += 1
-        overall = (
-            "running"
-            if progress["pending"] or progress["running"]
-            else ("failed" if progress["failed"] else "completed")
-        )
+        overall = sweep_status_of(progress, active=True)
         return schemas.SweepOut(
             sweep_id=row.id, name=row.name, status=overall, progress=progress, cells=cells
         )
@@ -533,13 +544,3 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-def _cell_status(cell_status: str, experiment_status: str | None) -> str:
-    if cell_status == "skipped" or experiment_status is None:
-        return cell_status
-    return {
-        "queued": "pending",
-        "running": "running",
-        "completed": "completed",
-    }.get(experiment_status, "failed")

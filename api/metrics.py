@@ -12,7 +12,7 @@ from prometheus_client.registry import Collector
 
 from failbench_ray.storage import queue
 from failbench_ray.storage.db import Database
-from failbench_ray.storage.tables import EXPERIMENT_STATUSES
+from failbench_ray.storage.status import ExperimentStatus
 
 
 class _QueueCollector(Collector):
@@ -30,8 +30,8 @@ class _QueueCollector(Collector):
         g = GaugeMetricFamily(
             "failbench_experiments", "Experiments in the database, by status", labels=["status"]
         )
-        for status in EXPERIMENT_STATUSES:
-            g.add_metric([status], by_status.get(status, 0))
+        for status in ExperimentStatus:
+            g.add_metric([status.value], by_status.get(status, 0))
         yield g
         beat = GaugeMetricFamily(
             "failbench_dispatcher_heartbeat_age_seconds",

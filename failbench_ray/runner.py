@@ -29,6 +29,7 @@ from failbench_ray.runtime import node_ip
 from failbench_ray.spec import ExperimentSpec, FailureTrace, PartSpec
 from failbench_ray.storage import repo
 from failbench_ray.storage.db import Database
+from failbench_ray.storage.status import ExperimentStatus, TrialStatus
 from failbench_ray.worker_group import Placement, choose_placement
 
 
@@ -96,7 +97,7 @@ def run_experiment(
                 architecture=spec.architecture.name,
                 mechanism=spec.mechanism.name,
                 name=spec.name,
-                status="running",
+                status=ExperimentStatus.RUNNING,
             )
         else:
             guard(s)
@@ -120,11 +121,14 @@ def run_experiment(
     except BaseException as err:
         with contextlib.suppress(LeaseLost), db.session() as s:
             guard(s)
-            repo.set_experiment_status(s, exp_id, "failed", error=f"{type(err).__name__}: {err}")
+            repo.set_experiment_status(
+                s, exp_id, ExperimentStatus.FAILED, error=f"{type(err).__name__}: {err}"
+            )
         raise
     with db.session() as s:
         guard(s)
-        repo.set_experiment_status(s, exp_id, "completed" if ok else "failed")
+        done = ExperimentStatus.COMPLETED if ok else ExperimentStatus.FAILED
+        repo.set_experiment_status(s, exp_id, done)
         result = repo.load_result(s, exp_id)
     exp_dir.mkdir(parents=True, exist_ok=True)
     (exp_dir / "result.json").write_text(json.dumps(result.model_dump(mode="json"), indent=2))
@@ -165,10 +169,11 @@ class _Runner:
             self.baseline = self._reused_baseline() or self.run_trial(
                 base, "baseline", 0, placement, inject=False
             )
-            ok = self.baseline.status == "completed"
+            ok = self.baseline.status == TrialStatus.COMPLETED
         for i in range(spec.trials):
             ok = (
-                self.run_trial(resolved, "trial", i, placement, inject=True).status == "completed"
+                self.run_trial(resolved, "trial", i, placement, inject=True).status
+                == TrialStatus.COMPLETED
                 and ok
             )
         return ok
@@ -213,7 +218,9 @@ class _Runner:
         except (KeyboardInterrupt, TrialInterrupted) as err:
             if isinstance(err, TrialInterrupted):
                 controller.outcome.error = str(err)
-            self._save(trial_id, controller.outcome, resolved, kind, label, status="interrupted")
+            self._save(
+                trial_id, controller.outcome, resolved, kind, label, status=TrialStatus.INTERRUPTED
+            )
             raise
         summary = self._save(trial_id, outcome, resolved, kind, label, status=outcome.status)
         shutil.rmtree(run_dir / "records", ignore_errors=True)  # read back already
@@ -234,7 +241,7 @@ class _Runner:
         kind: str,
         trial_label: str,
         *,
-        status: str,
+        status: TrialStatus | str,
     ) -> TrialSummary:
         spec = resolved.spec
         results.fill_resume_phases(outcome.failures, outcome.records)
@@ -251,7 +258,9 @@ class _Runner:
             status=status,
             step_time_s=results.median_or_none(steady),
             mean_step_time_s=results.mean_or_none(steady),
-            final_loss=results.final_loss(outcome.records) if status == "completed" else None,
+            final_loss=results.final_loss(outcome.records)
+            if status == TrialStatus.COMPLETED
+            else None,
             params_digest=outcome.params_digest,
         )
         match_expected = kind == "trial" and resolved.mech.match_expected(resolved.arch)

@@ -26,6 +26,13 @@ from failbench_ray.results import ExperimentResult
 from failbench_ray.spec import ExperimentSpec, FailureTrace, PartSpec, parse_spec
 from failbench_ray.storage import repo
 from failbench_ray.storage.db import Database
+from failbench_ray.storage.status import (
+    CellStatus,
+    SweepStatus,
+    TrialStatus,
+    cell_status_of,
+    sweep_status_of,
+)
 from mechanisms import MECHANISMS
 
 # The grid always sets these three; every other experiment field may be a grid list or in base.
@@ -361,13 +368,14 @@ def prepare(db: Database, sweep: SweepSpec, cells: Sequence[Cell], *, retry_fail
         )
         repo.refresh_skipped(s, sweep_id, {c.key: c.reason for c in cells})
         # A cell still `running` was cut off (the process died): it runs again.
-        repo.reset_cells(s, sweep_id, ["running", "failed"] if retry_failed else ["running"])
+        again = [CellStatus.RUNNING, CellStatus.FAILED] if retry_failed else [CellStatus.RUNNING]
+        repo.reset_cells(s, sweep_id, again)
     return sweep_id
 
 
 def pending_keys(db: Database, sweep_id: str) -> list[str]:
     with db.session() as s:
-        return [c.key for c in repo.list_sweep_cells(s, sweep_id) if c.status == "pending"]
+        return [c.key for c in repo.list_sweep_cells(s, sweep_id) if c.status == CellStatus.PENDING]
 
 
 def run_pending(
@@ -378,7 +386,7 @@ def run_pending(
     out_dir: Path = Path("runs"),
     progress: ProgressFn = lambda label, step, total: None,
     on_cell: Callable[[Cell], None] = lambda cell: None,
-    on_done: Callable[[Cell, str], None] = lambda cell, status: None,
+    on_done: Callable[[Cell, CellStatus], None] = lambda cell, status: None,
     share_baselines: bool = True,
     reuse_workers: bool = True,
 ) -> None:
@@ -391,11 +399,11 @@ def run_pending(
     by_key = {c.key: c for c in cells}
     baselines: dict[str, str] = {}  # baseline key -> an experiment with that baseline done
     with db.session() as s:
-        repo.set_sweep_status(s, sweep_id, "running")
+        repo.set_sweep_status(s, sweep_id, SweepStatus.RUNNING)
         if share_baselines:
             for row in repo.list_sweep_cells(s, sweep_id):
                 cell = by_key.get(row.key)
-                if row.status == "completed" and row.experiment_id and cell and cell.spec:
+                if row.status == CellStatus.COMPLETED and row.experiment_id and cell and cell.spec:
                     baselines.setdefault(baseline_key(cell.spec), row.experiment_id)
     for key in pending_keys(db, sweep_id):
         with db.session() as s:
@@ -411,23 +419,18 @@ def run_pending(
             )
         except KeyboardInterrupt:
             with db.session() as s:
-                repo.set_cell_status(s, sweep_id, key, "pending", reason="interrupted (Ctrl-C)")
-                repo.set_sweep_status(s, sweep_id, "interrupted")
+                # pending, not failed: resuming the sweep runs it again
+                repo.set_cell_status(
+                    s, sweep_id, key, CellStatus.PENDING, reason="interrupted (Ctrl-C)"
+                )
+                repo.set_sweep_status(s, sweep_id, SweepStatus.INTERRUPTED)
             raise
-        if share_baselines and status == "completed" and experiment_id:
+        if share_baselines and status == CellStatus.COMPLETED and experiment_id:
             baselines.setdefault(bkey, experiment_id)
         on_done(cell, status)
     with db.session() as s:
         counts = repo.sweep_progress(s, sweep_id)
-        repo.set_sweep_status(s, sweep_id, _sweep_status(counts))
-
-
-def _sweep_status(counts: dict[str, int]) -> str:
-    if counts["failed"]:
-        return "failed"
-    if counts["pending"] or counts["running"]:
-        return "interrupted"
-    return "completed"
+        repo.set_sweep_status(s, sweep_id, sweep_status_of(counts, active=False))
 
 
 def _run_cell(
@@ -438,7 +441,7 @@ def _run_cell(
     progress: ProgressFn,
     baseline_of: str | None,
     reuse_workers: bool = True,
-) -> tuple[str, str | None]:
+) -> tuple[CellStatus, str | None]:
     """Run one claimed cell; return its final status (completed or failed) and experiment."""
     from failbench_ray.runner import run_experiment
 
@@ -449,7 +452,9 @@ def _run_cell(
         made.append(experiment_id)
         with db.session() as s:
             repo.set_experiment_sweep(s, experiment_id, sweep_id)
-            repo.set_cell_status(s, sweep_id, cell.key, "running", experiment_id=experiment_id)
+            repo.set_cell_status(
+                s, sweep_id, cell.key, CellStatus.RUNNING, experiment_id=experiment_id
+            )
 
     reason: str | None = None
     try:
@@ -463,20 +468,20 @@ def _run_cell(
             reuse_workers=reuse_workers,
         )
     except Exception as err:  # a broken cell must not stop the sweep; its reason says why
-        status, reason = "failed", f"{type(err).__name__}: {err}"
+        status, reason = CellStatus.FAILED, f"{type(err).__name__}: {err}"
     else:
-        status = "completed" if result.status == "completed" else "failed"
-        reason = None if status == "completed" else _failure_reason(result)
+        status = cell_status_of(result.status)
+        reason = None if status == CellStatus.COMPLETED else _failure_reason(result)
     with db.session() as s:
         repo.set_cell_status(s, sweep_id, cell.key, status, reason=reason)
     return status, made[0] if made else None
 
 
 def _failure_reason(result: ExperimentResult) -> str:
-    if result.baseline is not None and result.baseline.status != "completed":
+    if result.baseline is not None and result.baseline.status != TrialStatus.COMPLETED:
         return f"baseline {result.baseline.status}"
     for t in result.trials:
-        if t.status != "completed":
+        if t.status != TrialStatus.COMPLETED:
             return f"trial {t.trial} {t.status}: {t.error or 'no error recorded'}"
     return f"experiment {result.status}"
 
@@ -511,7 +516,7 @@ def report(db: Database, sweep_id: str) -> dict[str, Any]:
             numbers: dict[str, Any] = dict.fromkeys(
                 ("overhead_pct", "recovery_s", "matches_baseline")
             )
-            if c.experiment_id and c.status in ("completed", "failed"):
+            if c.experiment_id and c.status in (CellStatus.COMPLETED, CellStatus.FAILED):
                 numbers = summarize(repo.load_result(s, c.experiment_id))
             rows.append(
                 {

@@ -24,11 +24,16 @@ from failbench_ray.errors import FailBenchError, LeaseLost, TrialInterrupted
 from failbench_ray.spec import ExperimentSpec
 from failbench_ray.storage import queue, repo
 from failbench_ray.storage.db import Database
+from failbench_ray.storage.status import (
+    CellStatus,
+    ExperimentStatus,
+    cell_status_of,
+    parse,
+    sweep_status_of,
+)
 from failbench_ray.storage.tables import Experiment, SweepCell
 
 log = logging.getLogger("failbench.dispatcher")
-
-CELL_STATUS = {"completed": "completed", "failed": "failed", "cancelled": "failed"}
 
 
 @dataclass
@@ -96,7 +101,7 @@ class Dispatcher:
         return True
 
     # -- one experiment --------------------------------------------------------------------
-    def run(self, exp_id: str) -> str | None:
+    def run(self, exp_id: str) -> ExperimentStatus | None:
         """Run a claimed experiment to its end. Returns its final status (None: lease lost)."""
         from failbench_ray.runner import run_experiment
 
@@ -121,7 +126,9 @@ class Dispatcher:
             if not queue.holds(session, exp_id, self.owner):
                 raise LeaseLost(f"dispatcher {self.owner} no longer holds experiment {exp_id}")
 
-        status: str | None = None
+        status: ExperimentStatus | None = None
+        with self.db.session() as s:
+            _sync_cell(s, exp_id, ExperimentStatus.RUNNING)
         try:
             spec = self._spec(exp_id)
             if spec is not None:
@@ -135,26 +142,28 @@ class Dispatcher:
                     cluster_share=self.cluster_share,
                     reuse_workers=self.reuse_workers,
                 )
-                status = result.status
+                status = parse(ExperimentStatus, result.status)
             else:
-                status = "failed"
+                status = ExperimentStatus.FAILED
         except TrialInterrupted as err:
             if not lease.held:
                 status = None
             elif self.stopping.is_set():  # not the experiment's fault: it runs again later
-                status = "queued"
+                status = ExperimentStatus.QUEUED
                 with self.db.session() as s:
                     queue.give_back(s, exp_id, self.owner, f"re-queued: {err}")
             else:
-                status = "cancelled"
+                status = ExperimentStatus.CANCELLED
                 with contextlib.suppress(LeaseLost), self.db.session() as s:
                     guard(s)
-                    repo.set_experiment_status(s, exp_id, "cancelled", error=str(err))
+                    repo.set_experiment_status(
+                        s, exp_id, ExperimentStatus.CANCELLED, error=str(err)
+                    )
         except LeaseLost:
             status = None
         except Exception as err:  # noqa: BLE001  (run_experiment recorded it as failed)
             log.warning("experiment %s failed: %s: %s", exp_id, type(err).__name__, err)
-            status = "failed"
+            status = ExperimentStatus.FAILED
         finally:
             done.set()
             renewer.join()
@@ -179,7 +188,9 @@ class Dispatcher:
             resolve(spec)
         except (ValidationError, FailBenchError) as err:
             with self.db.session() as s:
-                repo.set_experiment_status(s, exp_id, "failed", error=f"invalid spec: {err}")
+                repo.set_experiment_status(
+                    s, exp_id, ExperimentStatus.FAILED, error=f"invalid spec: {err}"
+                )
             return None
         return spec
 
@@ -198,10 +209,18 @@ class Dispatcher:
                 return
 
 
-def _sync_cell(session: Session, exp_id: str, status: str) -> None:
-    """A sweep's cell follows its experiment."""
+def _sync_cell(session: Session, exp_id: str, status: ExperimentStatus) -> None:
+    """A sweep's cell follows its experiment, and the stored sweep status its cells (with the
+    mapping that the API and `failbench sweep` use: `failbench_ray.storage.status`)."""
     cell = session.scalars(select(SweepCell).where(SweepCell.experiment_id == exp_id)).first()
-    if cell is not None and status in CELL_STATUS:
-        exp = session.get(Experiment, exp_id)
-        reason = None if status == "completed" else (exp.error if exp else None)
-        repo.set_cell_status(session, cell.sweep_id, cell.key, CELL_STATUS[status], reason=reason)
+    if cell is None:
+        return
+    cell_status = cell_status_of(status)
+    exp = session.get(Experiment, exp_id)
+    reason = None if cell_status in _NO_REASON else (exp.error if exp else None)
+    repo.set_cell_status(session, cell.sweep_id, cell.key, cell_status, reason=reason)
+    counts = repo.sweep_progress(session, cell.sweep_id)
+    repo.set_sweep_status(session, cell.sweep_id, sweep_status_of(counts, active=True))
+
+
+_NO_REASON = (CellStatus.PENDING, CellStatus.RUNNING, CellStatus.COMPLETED)

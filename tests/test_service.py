@@ -94,8 +94,40 @@ def test_a_served_experiment_runs_and_reads_like_the_cli(tmp_path: Path) -> None
         assert shown.returncode == 0, shown.stderr
         assert json.loads(shown.stdout) == result  # the API and the CLI print the same result
         assert rows(url, exp_id)[:2] == (1, 2)  # one attempt: a baseline and one trial
+        _a_served_sweep_keeps_its_status(srv, url)
     finally:
         srv.stop()
+
+
+def _a_served_sweep_keeps_its_status(srv: Server, url: str) -> None:
+    """A sweep through the API: the dispatcher that runs a cell stores the cell's status and the
+    sweep's (they went stale before: only `failbench sweep` wrote them), with the same mapping
+    the API shows."""
+    sweep = {
+        "name": "served-sweep",
+        "base": {k: v for k, v in TINY.items() if k != "architecture"},
+        "grid": {"architecture": ["ddp", "hybrid"], "mechanism": ["none"], "failures": ["none"]},
+    }
+    with srv.client() as api:
+        body = api.post("/v1/sweeps", json=sweep).json()
+        ((cell,),) = [body["experiments"]]  # hybrid's 2 x 2 needs 4 ranks: skipped
+        wait_status(api, cell["experiment_id"], {"completed", "failed"})
+        shown = api.get(f"/v1/sweeps/{body['sweep_id']}").json()
+    assert shown["status"] == "completed", shown
+    assert shown["progress"] == {
+        "pending": 0, "running": 0, "completed": 1, "failed": 0, "skipped": 1
+    }  # fmt: skip
+    deadline = time.monotonic() + 30  # the dispatcher stores them just after the experiment
+    with Database(url, migrate=False) as db:
+        while True:
+            with db.session() as s:
+                stored = repo.get_sweep(s, body["sweep_id"]).status
+                cells = {c.key: c.status for c in repo.list_sweep_cells(s, body["sweep_id"])}
+            if stored != "running" or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    assert stored == "completed"
+    assert cells == {"ddp/none/none": "completed", "hybrid/none/none": "skipped"}
 
 
 def test_cancel_stops_a_running_experiment_and_its_actors(tmp_path: Path) -> None:

@@ -27,11 +27,11 @@ from sqlalchemy.orm import Session
 from failbench_ray.errors import IdempotencyConflict, InvalidTransition
 from failbench_ray.spec import ExperimentSpec
 from failbench_ray.storage import repo
+from failbench_ray.storage.status import ExperimentStatus, TrialStatus
 from failbench_ray.storage.tables import Dispatcher, Experiment, Trial, utcnow
 
 DEFAULT_LEASE_S = 30.0
 DEFAULT_MAX_ATTEMPTS = 3
-FINISHED = ("completed", "failed", "cancelled", "interrupted")
 
 
 @dataclass(frozen=True)
@@ -67,13 +67,13 @@ def submit(
         architecture=spec.architecture.name,
         mechanism=spec.mechanism.name,
         name=spec.name,
-        status="queued",
+        status=ExperimentStatus.QUEUED,
         sweep_id=sweep_id,
     )
     if idempotency_key is not None:
         repo.get_experiment(session, exp_id).idempotency_key = idempotency_key
         session.flush()
-    return Submitted(exp_id, "queued", created=True)
+    return Submitted(exp_id, ExperimentStatus.QUEUED, created=True)
 
 
 def claim(session: Session, owner: str, lease_s: float = DEFAULT_LEASE_S) -> str | None:
@@ -81,7 +81,7 @@ def claim(session: Session, owner: str, lease_s: float = DEFAULT_LEASE_S) -> str
     Call it first thing in a fresh session: the claim must be the transaction's first write."""
     now = utcnow()
     values: dict[str, Any] = {
-        "status": "running",
+        "status": ExperimentStatus.RUNNING,
         "lease_owner": owner,
         "lease_expires_at": now + timedelta(seconds=lease_s),
         "attempts": Experiment.attempts + 1,
@@ -90,7 +90,7 @@ def claim(session: Session, owner: str, lease_s: float = DEFAULT_LEASE_S) -> str
     }
     oldest = (
         select(Experiment.id)
-        .where(Experiment.status == "queued")
+        .where(Experiment.status == ExperimentStatus.QUEUED)
         .order_by(Experiment.created_at, Experiment.id)
         .limit(1)
     )
@@ -103,7 +103,9 @@ def claim(session: Session, owner: str, lease_s: float = DEFAULT_LEASE_S) -> str
     # SQLite: one statement, so the choice and the update happen under the one write lock.
     stmt = (
         update(Experiment)
-        .where(Experiment.id == oldest.scalar_subquery(), Experiment.status == "queued")
+        .where(
+            Experiment.id == oldest.scalar_subquery(), Experiment.status == ExperimentStatus.QUEUED
+        )
         .values(**values)
         .returning(Experiment.id)
     )
@@ -126,7 +128,7 @@ def renew(
         .where(
             Experiment.id == experiment_id,
             Experiment.lease_owner == owner,
-            Experiment.status == "running",
+            Experiment.status == ExperimentStatus.RUNNING,
         )
         .values(lease_expires_at=now + timedelta(seconds=lease_s))
         .returning(Experiment.cancel_requested)
@@ -138,7 +140,7 @@ def renew(
 
 def holds(session: Session, experiment_id: str, owner: str) -> bool:
     exp = session.get(Experiment, experiment_id)
-    return exp is not None and exp.lease_owner == owner and exp.status == "running"
+    return exp is not None and exp.lease_owner == owner and exp.status == ExperimentStatus.RUNNING
 
 
 def release(session: Session, experiment_id: str, owner: str) -> None:
@@ -149,7 +151,7 @@ def release(session: Session, experiment_id: str, owner: str) -> None:
         .where(
             Experiment.id == experiment_id,
             Experiment.lease_owner == owner,
-            Experiment.status != "running",
+            Experiment.status != ExperimentStatus.RUNNING,
         )
         .values(lease_owner=None, lease_expires_at=None)
     )
@@ -163,10 +165,10 @@ def give_back(session: Session, experiment_id: str, owner: str, reason: str) -> 
         .where(
             Experiment.id == experiment_id,
             Experiment.lease_owner == owner,
-            Experiment.status == "running",
+            Experiment.status == ExperimentStatus.RUNNING,
         )
         .values(
-            status="queued",
+            status=ExperimentStatus.QUEUED,
             error=reason,
             lease_owner=None,
             lease_expires_at=None,
@@ -185,29 +187,34 @@ def requeue_expired(session: Session, max_attempts: int = DEFAULT_MAX_ATTEMPTS) 
     now = utcnow()
     stale = session.execute(
         select(Experiment.id, Experiment.lease_owner, Experiment.attempts)
-        .where(Experiment.status == "running", Experiment.lease_expires_at < now)
+        .where(Experiment.status == ExperimentStatus.RUNNING, Experiment.lease_expires_at < now)
         .order_by(Experiment.created_at)
     ).all()
     moved = []
     for exp_id, who, attempts in stale:
         if attempts >= max_attempts:
-            status = "failed"
+            status = ExperimentStatus.FAILED
             error = (
                 f"its dispatcher stopped renewing the lease (last: {who}); gave up after "
                 f"{attempts} attempts (max_attempts={max_attempts})"
             )
         else:
-            status, error = "queued", f"re-queued: the lease of dispatcher {who} expired"
+            status, error = (
+                ExperimentStatus.QUEUED,
+                f"re-queued: the lease of dispatcher {who} expired",
+            )
         row = session.execute(
             update(Experiment)
             .where(
                 Experiment.id == exp_id,
-                Experiment.status == "running",
+                Experiment.status == ExperimentStatus.RUNNING,
                 Experiment.lease_owner == who,
                 Experiment.lease_expires_at < now,
             )
             .values(
-                status=case((Experiment.cancel_requested, "cancelled"), else_=status),
+                status=case(
+                    (Experiment.cancel_requested, ExperimentStatus.CANCELLED), else_=status
+                ),
                 error=case(
                     (Experiment.cancel_requested, f"cancelled (its dispatcher {who} died)"),
                     else_=error,
@@ -221,11 +228,11 @@ def requeue_expired(session: Session, max_attempts: int = DEFAULT_MAX_ATTEMPTS) 
         if row is None:
             continue  # renewed, finished or moved by someone else meanwhile
         moved.append(exp_id)
-        if row[0] != "queued":
+        if row[0] != ExperimentStatus.QUEUED:
             session.execute(
                 update(Trial)
-                .where(Trial.experiment_id == exp_id, Trial.status == "running")
-                .values(status="interrupted", finished_at=now, error=row[1])
+                .where(Trial.experiment_id == exp_id, Trial.status == TrialStatus.RUNNING)
+                .values(status=TrialStatus.INTERRUPTED, finished_at=now, error=row[1])
             )
     return moved
 
@@ -237,18 +244,18 @@ def cancel(session: Session, experiment_id: str) -> str:
     now = utcnow()
     done = session.execute(
         update(Experiment)
-        .where(Experiment.id == experiment_id, Experiment.status == "queued")
-        .values(status="cancelled", error="cancelled before it ran", updated_at=now)
+        .where(Experiment.id == experiment_id, Experiment.status == ExperimentStatus.QUEUED)
+        .values(status=ExperimentStatus.CANCELLED, error="cancelled before it ran", updated_at=now)
     )
     if done.rowcount:  # type: ignore[attr-defined]
-        return "cancelled"
+        return ExperimentStatus.CANCELLED
     asked = session.execute(
         update(Experiment)
-        .where(Experiment.id == experiment_id, Experiment.status == "running")
+        .where(Experiment.id == experiment_id, Experiment.status == ExperimentStatus.RUNNING)
         .values(cancel_requested=True, updated_at=now)
     )
     if asked.rowcount:  # type: ignore[attr-defined]
-        return "running"
+        return ExperimentStatus.RUNNING
     status = session.scalar(select(Experiment.status).where(Experiment.id == experiment_id))
     raise InvalidTransition(
         f"experiment {experiment_id} is {status}: only a queued or running "
@@ -257,7 +264,10 @@ def cancel(session: Session, experiment_id: str) -> str:
 
 
 def depth(session: Session) -> int:
-    return int(session.scalar(select(func.count()).where(Experiment.status == "queued")) or 0)
+    return int(
+        session.scalar(select(func.count()).where(Experiment.status == ExperimentStatus.QUEUED))
+        or 0
+    )
 
 
 def counts_by_status(session: Session) -> dict[str, int]:

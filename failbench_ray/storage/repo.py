@@ -19,12 +19,16 @@ from sqlalchemy.orm import Session
 from failbench_ray.errors import ExperimentNotFound, SweepNotFound
 from failbench_ray.records import PHASES, CheckpointEvent, FailureRecord, StepRecord
 from failbench_ray.results import BaselineResult, ExperimentResult, TrialResult, failure_result
+from failbench_ray.storage.status import (
+    CellStatus,
+    ExperimentStatus,
+    SweepStatus,
+    TrialStatus,
+    cell_counts,
+    parse,
+)
 from failbench_ray.storage.tables import (
-    CELL_STATUSES,
-    EXPERIMENT_STATUSES,
-    SWEEP_STATUSES,
     TRIAL_KINDS,
-    TRIAL_STATUSES,
     CheckpointEventRow,
     Experiment,
     RecoveryEventRow,
@@ -62,11 +66,11 @@ def create_experiment(
     architecture: str,
     mechanism: str,
     name: str | None = None,
-    status: str = "queued",
+    status: ExperimentStatus | str = ExperimentStatus.QUEUED,
     sweep_id: str | None = None,
 ) -> str:
     """Insert an experiment and return its new id."""
-    _check(status, EXPERIMENT_STATUSES, "experiment status")
+    status = parse(ExperimentStatus, status, "experiment status")
     now = utcnow()
     experiment = Experiment(
         id=new_id(),
@@ -106,10 +110,14 @@ def find_experiment_id(session: Session, id_or_prefix: str) -> str:
 
 
 def set_experiment_status(
-    session: Session, experiment_id: str, status: str, *, error: str | None = None
+    session: Session,
+    experiment_id: str,
+    status: ExperimentStatus | str,
+    *,
+    error: str | None = None,
 ) -> None:
     """Move an experiment to `status`; `error` replaces any earlier error (None clears it)."""
-    _check(status, EXPERIMENT_STATUSES, "experiment status")
+    status = parse(ExperimentStatus, status, "experiment status")
     experiment = get_experiment(session, experiment_id)
     experiment.status = status
     experiment.error = error
@@ -118,12 +126,12 @@ def set_experiment_status(
 
 
 def list_experiments(
-    session: Session, *, status: str | None = None, limit: int = 50
+    session: Session, *, status: ExperimentStatus | str | None = None, limit: int = 50
 ) -> list[Experiment]:
     """The most recent experiments first, optionally only those with `status`."""
     stmt = select(Experiment).order_by(Experiment.created_at.desc(), Experiment.id.desc())
     if status is not None:
-        _check(status, EXPERIMENT_STATUSES, "experiment status")
+        status = parse(ExperimentStatus, status, "experiment status")
         stmt = stmt.where(Experiment.status == status)
     return list(session.scalars(stmt.limit(limit)))
 
@@ -134,10 +142,10 @@ def mark_interrupted(session: Session, experiment_id: str, reason: str) -> None:
     now = utcnow()
     session.execute(
         update(Trial)
-        .where(Trial.experiment_id == experiment_id, Trial.status == "running")
-        .values(status="interrupted", finished_at=now, error=reason)
+        .where(Trial.experiment_id == experiment_id, Trial.status == TrialStatus.RUNNING)
+        .values(status=TrialStatus.INTERRUPTED, finished_at=now, error=reason)
     )
-    experiment.status = "interrupted"
+    experiment.status = ExperimentStatus.INTERRUPTED
     experiment.error = reason
     experiment.updated_at = now
     session.flush()
@@ -161,7 +169,7 @@ def create_trial(session: Session, *, experiment_id: str, kind: str, index: int)
         experiment_id=experiment_id,
         kind=kind,
         index=index,
-        status="running",
+        status=TrialStatus.RUNNING,
         started_at=utcnow(),
         match_expected=False,
         extra={},
@@ -175,7 +183,7 @@ def finish_trial(
     session: Session,
     trial_id: int,
     *,
-    status: str,
+    status: TrialStatus | str,
     step_time_s: float | None = None,
     mean_step_time_s: float | None = None,
     overhead_pct: float | None = None,
@@ -187,7 +195,7 @@ def finish_trial(
     extra: dict[str, Any] | None = None,
 ) -> None:
     """Record a trial's outcome; `extra` holds result fields beyond the fixed columns."""
-    _check(status, TRIAL_STATUSES, "trial status")
+    status = parse(TrialStatus, status, "trial status")
     trial = session.get(Trial, trial_id)
     if trial is None:
         raise LookupError(f"no trial with id {trial_id} in this database")
@@ -217,7 +225,7 @@ def copy_baseline(session: Session, source_experiment_id: str, experiment_id: st
         select(Trial).where(
             Trial.experiment_id == source_experiment_id,
             Trial.kind == "baseline",
-            Trial.status == "completed",
+            Trial.status == TrialStatus.COMPLETED,
         )
     ).first()
     if src is None:
@@ -484,8 +492,8 @@ def get_sweep(session: Session, sweep_id: str) -> Sweep:
     return sweep
 
 
-def set_sweep_status(session: Session, sweep_id: str, status: str) -> None:
-    _check(status, SWEEP_STATUSES, "sweep status")
+def set_sweep_status(session: Session, sweep_id: str, status: SweepStatus | str) -> None:
+    status = parse(SweepStatus, status, "sweep status")
     get_sweep(session, sweep_id).status = status
     session.flush()
 
@@ -503,13 +511,13 @@ def set_cell_status(
     session: Session,
     sweep_id: str,
     key: str,
-    status: str,
+    status: CellStatus | str,
     *,
     reason: str | None = None,
     experiment_id: str | None = _UNCHANGED,
 ) -> None:
     """Move a cell to `status`; `reason` replaces the earlier one (None clears it)."""
-    _check(status, CELL_STATUSES, "cell status")
+    status = parse(CellStatus, status, "cell status")
     values: dict[str, Any] = {"status": status, "reason": reason, "updated_at": utcnow()}
     if experiment_id is not _UNCHANGED:
         values["experiment_id"] = experiment_id
@@ -526,19 +534,24 @@ def claim_cell(session: Session, sweep_id: str, key: str) -> bool:
     """pending -> running, only if still pending: two runners of one sweep never share a cell."""
     done = session.execute(
         update(SweepCell)
-        .where(SweepCell.sweep_id == sweep_id, SweepCell.key == key, SweepCell.status == "pending")
-        .values(status="running", reason=None, updated_at=utcnow())
+        .where(
+            SweepCell.sweep_id == sweep_id,
+            SweepCell.key == key,
+            SweepCell.status == CellStatus.PENDING,
+        )
+        .values(status=CellStatus.RUNNING, reason=None, updated_at=utcnow())
     )
     return bool(done.rowcount == 1)  # type: ignore[attr-defined]
 
 
-def reset_cells(session: Session, sweep_id: str, statuses: Sequence[str]) -> list[str]:
+def reset_cells(session: Session, sweep_id: str, statuses: Sequence[CellStatus | str]) -> list[str]:
     """Move the cells in any of `statuses` back to pending; return their keys."""
-    for status in statuses:
-        _check(status, CELL_STATUSES, "cell status")
+    statuses = [parse(CellStatus, s, "cell status") for s in statuses]
     where = (SweepCell.sweep_id == sweep_id, SweepCell.status.in_(statuses))
     keys = list(session.scalars(select(SweepCell.key).where(*where).order_by(SweepCell.position)))
-    session.execute(update(SweepCell).where(*where).values(status="pending", updated_at=utcnow()))
+    session.execute(
+        update(SweepCell).where(*where).values(status=CellStatus.PENDING, updated_at=utcnow())
+    )
     return keys
 
 
@@ -546,10 +559,10 @@ def refresh_skipped(session: Session, sweep_id: str, reasons: Mapping[str, str |
     """Bring cells that have not run (pending, skipped) in line with today's expansion: a part
     that learnt to apply somewhere makes a skipped cell pending again, and the reverse."""
     for cell in list_sweep_cells(session, sweep_id):
-        if cell.status not in ("pending", "skipped") or cell.key not in reasons:
+        if cell.status not in (CellStatus.PENDING, CellStatus.SKIPPED) or cell.key not in reasons:
             continue
         reason = reasons[cell.key]
-        status = "pending" if reason is None else "skipped"
+        status = CellStatus.PENDING if reason is None else CellStatus.SKIPPED
         if (cell.status, cell.reason) != (status, reason):
             cell.status, cell.reason, cell.updated_at = status, reason, utcnow()
     session.flush()
@@ -562,6 +575,6 @@ def sweep_progress(session: Session, sweep_id: str) -> dict[str, int]:
         .where(SweepCell.sweep_id == sweep_id)
         .group_by(SweepCell.status)
     )
-    counts = dict.fromkeys(CELL_STATUSES, 0)
+    counts = cell_counts()
     counts.update({status: n for status, n in session.execute(stmt).all()})
     return counts

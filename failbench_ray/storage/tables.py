@@ -27,11 +27,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.sql.expression import false
 
-EXPERIMENT_STATUSES = ("queued", "running", "completed", "failed", "interrupted", "cancelled")
-TRIAL_STATUSES = ("running", "completed", "failed", "interrupted")
-TRIAL_KINDS = ("baseline", "trial")
-SWEEP_STATUSES = ("pending", "running", "completed", "failed", "interrupted")
-CELL_STATUSES = ("pending", "running", "completed", "failed", "skipped")
+TRIAL_KINDS = ("baseline", "trial")  # the statuses: failbench_ray/storage/status.py
 
 # Deterministic constraint names, so that migrations can refer to them on every backend.
 NAMING_CONVENTION = {
