@@ -18,16 +18,18 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from sqlalchemy.orm import Session
 
 from architectures import ARCHITECTURES
 from failbench_ray.checks import resolve
 from failbench_ray.errors import SpecError
 from failbench_ray.results import ExperimentResult
 from failbench_ray.spec import ExperimentSpec, FailureTrace, PartSpec, parse_spec
-from failbench_ray.storage import repo
+from failbench_ray.storage import queue, repo
 from failbench_ray.storage.db import Database
 from failbench_ray.storage.status import (
     CellStatus,
+    ExperimentStatus,
     SweepStatus,
     TrialStatus,
     cell_status_of,
@@ -354,23 +356,92 @@ def spec_hash(cells: Sequence[Cell]) -> str:
 # Storage and running
 
 
+# A sweep goes one of two ways, which share `_record` (the sweep and its cells in storage), the
+# statuses (`storage/status.py`) and shared baselines (`shared_baseline`):
+# - `failbench sweep`: `prepare`, then `run_pending` runs the cells here, one after another;
+# - the service (POST /v1/sweeps): `enqueue` queues them, and dispatchers run them.
+
+
+def _record(session: Session, sweep: SweepSpec, cells: Sequence[Cell]) -> str:
+    """Find or create the sweep, and bring its skipped cells up to date."""
+    sweep_id, _ = repo.get_or_create_sweep(
+        session,
+        name=sweep.name,
+        spec=sweep.model_dump(mode="json"),
+        spec_hash=spec_hash(cells),
+        cells=[repo.NewCell(c.key, c.architecture, c.mechanism, c.trace, c.reason) for c in cells],
+    )
+    repo.refresh_skipped(session, sweep_id, {c.key: c.reason for c in cells})
+    return sweep_id
+
+
 def prepare(db: Database, sweep: SweepSpec, cells: Sequence[Cell], *, retry_failed: bool) -> str:
     """Find or create the sweep; make interrupted cells (and failed ones, if asked) pending."""
     with db.session() as s:
-        sweep_id, _ = repo.get_or_create_sweep(
-            s,
-            name=sweep.name,
-            spec=sweep.model_dump(mode="json"),
-            spec_hash=spec_hash(cells),
-            cells=[
-                repo.NewCell(c.key, c.architecture, c.mechanism, c.trace, c.reason) for c in cells
-            ],
-        )
-        repo.refresh_skipped(s, sweep_id, {c.key: c.reason for c in cells})
+        sweep_id = _record(s, sweep, cells)
         # A cell still `running` was cut off (the process died): it runs again.
         again = [CellStatus.RUNNING, CellStatus.FAILED] if retry_failed else [CellStatus.RUNNING]
         repo.reset_cells(s, sweep_id, again)
     return sweep_id
+
+
+@dataclass(frozen=True)
+class Enqueued:
+    sweep_id: str
+    queued: list[tuple[str, str]]  # (cell key, experiment id)
+    skipped: list[tuple[str, str | None]]  # (cell key, why)
+
+
+def enqueue(db: Database, sweep: SweepSpec, cells: Sequence[Cell]) -> Enqueued:
+    """Queue every applicable cell for the service's dispatchers, except those whose experiment
+    is queued, running or done already: submitting a sweep again retries only what failed."""
+    queued: list[tuple[str, str]] = []
+    skipped: list[tuple[str, str | None]] = []
+    with db.session() as s:
+        sweep_id = _record(s, sweep, cells)
+        rows = {r.key: r for r in repo.list_sweep_cells(s, sweep_id)}
+        for c in cells:
+            if c.skipped or c.spec is None:
+                skipped.append((c.key, c.reason))
+                continue
+            was = rows[c.key].experiment_id
+            if was is not None and repo.experiment_status(s, was) in _LIVE:
+                continue
+            got = queue.submit(s, c.spec, sweep_id=sweep_id)
+            repo.set_cell_status(
+                s, sweep_id, c.key, CellStatus.PENDING, experiment_id=got.experiment_id
+            )
+            queued.append((c.key, got.experiment_id))
+        progress = repo.sweep_progress(s, sweep_id)
+        repo.set_sweep_status(s, sweep_id, sweep_status_of(progress, active=True))
+    return Enqueued(sweep_id, queued, skipped)
+
+
+_LIVE = (ExperimentStatus.QUEUED, ExperimentStatus.RUNNING, ExperimentStatus.COMPLETED)
+
+
+def shared_baseline(db: Database, experiment_id: str) -> str | None:
+    """For an experiment that a dispatcher runs as a sweep's cell: a completed experiment of the
+    same sweep with the same baseline (`runner.baseline_key`), whose baseline it copies instead
+    of running its own, as `failbench sweep` does. None if there is none yet, or the sweep says
+    `share_baselines: false`."""
+    from failbench_ray.runner import baseline_key
+
+    with db.session() as s:
+        exp = repo.get_experiment(s, experiment_id)
+        if exp.sweep_id is None:
+            return None
+        sweep = repo.get_sweep(s, exp.sweep_id)
+        if not sweep.spec.get("share_baselines", True):
+            return None
+        key = baseline_key(ExperimentSpec.model_validate(exp.spec))
+        for other_id, spec in repo.completed_in_sweep(s, exp.sweep_id):
+            if (
+                other_id != experiment_id
+                and baseline_key(ExperimentSpec.model_validate(spec)) == key
+            ):
+                return other_id
+    return None
 
 
 def pending_keys(db: Database, sweep_id: str) -> list[str]:

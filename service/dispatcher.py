@@ -32,6 +32,7 @@ from failbench_ray.storage.status import (
     sweep_status_of,
 )
 from failbench_ray.storage.tables import Experiment, SweepCell
+from failbench_ray.sweep import shared_baseline
 
 log = logging.getLogger("failbench.dispatcher")
 
@@ -136,6 +137,7 @@ class Dispatcher:
                     spec,
                     db=self.db,
                     out_dir=self.out_dir,
+                    baseline_of=shared_baseline(self.db, exp_id),
                     experiment_id=exp_id,
                     should_stop=should_stop,
                     guard=guard,

@@ -100,22 +100,31 @@ def test_a_served_experiment_runs_and_reads_like_the_cli(tmp_path: Path) -> None
 
 
 def _a_served_sweep_keeps_its_status(srv: Server, url: str) -> None:
-    """A sweep through the API: the dispatcher that runs a cell stores the cell's status and the
-    sweep's (they went stale before: only `failbench sweep` wrote them), with the same mapping
-    the API shows."""
+    """A sweep through the API goes the way `failbench sweep` goes: its cells share a baseline
+    (the second copies the first's), and the dispatcher that runs a cell stores the cell's
+    status and the sweep's (they went stale before), with the mapping the API shows."""
     sweep = {
         "name": "served-sweep",
         "base": {k: v for k, v in TINY.items() if k != "architecture"},
-        "grid": {"architecture": ["ddp", "hybrid"], "mechanism": ["none"], "failures": ["none"]},
+        "grid": {
+            "architecture": ["ddp", "hybrid"],  # hybrid's 2 x 2 needs 4 ranks: skipped
+            "mechanism": ["none", "disk_ckpt"],
+            "failures": ["none"],
+        },
     }
     with srv.client() as api:
         body = api.post("/v1/sweeps", json=sweep).json()
-        ((cell,),) = [body["experiments"]]  # hybrid's 2 x 2 needs 4 ranks: skipped
-        wait_status(api, cell["experiment_id"], {"completed", "failed"})
+        first, second = (c["experiment_id"] for c in body["experiments"])
+        ran = {i: wait_status(api, i, {"completed", "failed"}) for i in (first, second)}
         shown = api.get(f"/v1/sweeps/{body['sweep_id']}").json()
+    # one dispatcher: one cell after the other, and the later one copies the earlier's baseline
+    reused = {i: ran[i]["result"]["baseline"].get("reused_from") for i in ran}
+    assert sorted(reused.values(), key=str) in ([first, None], [second, None]), reused
+    (copy,) = [i for i in ran if reused[i] is not None]
+    assert reused[copy] == ({first, second} - {copy}).pop()
     assert shown["status"] == "completed", shown
     assert shown["progress"] == {
-        "pending": 0, "running": 0, "completed": 1, "failed": 0, "skipped": 1
+        "pending": 0, "running": 0, "completed": 2, "failed": 0, "skipped": 2
     }  # fmt: skip
     deadline = time.monotonic() + 30  # the dispatcher stores them just after the experiment
     with Database(url, migrate=False) as db:
@@ -127,7 +136,12 @@ def _a_served_sweep_keeps_its_status(srv: Server, url: str) -> None:
                 break
             time.sleep(0.2)
     assert stored == "completed"
-    assert cells == {"ddp/none/none": "completed", "hybrid/none/none": "skipped"}
+    assert cells == {
+        "ddp/none/none": "completed",
+        "ddp/disk_ckpt/none": "completed",
+        "hybrid/none/none": "skipped",
+        "hybrid/disk_ckpt/none": "skipped",
+    }
 
 
 def test_cancel_stops_a_running_experiment_and_its_actors(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy import delete, func, insert, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -136,6 +136,38 @@ def list_experiments(
     return list(session.scalars(stmt.limit(limit)))
 
 
+def page_experiments(
+    session: Session,
+    *,
+    status: ExperimentStatus | str | None = None,
+    architecture: str | None = None,
+    mechanism: str | None = None,
+    sweep_id: str | None = None,
+    limit: int = 50,
+    offset: int = 0,
+) -> tuple[list[Experiment], int]:
+    """One page of the experiments that match every filter given, newest first, and how many
+    match in all."""
+    where = []
+    if status is not None:
+        where.append(Experiment.status == parse(ExperimentStatus, status, "experiment status"))
+    if architecture is not None:
+        where.append(Experiment.architecture == architecture)
+    if mechanism is not None:
+        where.append(Experiment.mechanism == mechanism)
+    if sweep_id is not None:
+        where.append(Experiment.sweep_id == sweep_id)
+    total = session.scalar(select(func.count()).select_from(Experiment).where(*where)) or 0
+    rows = session.scalars(
+        select(Experiment)
+        .where(*where)
+        .order_by(Experiment.created_at.desc(), Experiment.id.desc())
+        .limit(limit)
+        .offset(offset)
+    )
+    return list(rows), int(total)
+
+
 def mark_interrupted(session: Session, experiment_id: str, reason: str) -> None:
     """Close an experiment whose run died (Ctrl-C, lost driver): its running trials too."""
     experiment = get_experiment(session, experiment_id)
@@ -149,6 +181,22 @@ def mark_interrupted(session: Session, experiment_id: str, reason: str) -> None:
     experiment.error = reason
     experiment.updated_at = now
     session.flush()
+
+
+def experiment_status(session: Session, experiment_id: str) -> ExperimentStatus | None:
+    """An experiment's status; None if there is no such experiment."""
+    word = session.scalar(select(Experiment.status).where(Experiment.id == experiment_id))
+    return None if word is None else parse(ExperimentStatus, word)
+
+
+def completed_in_sweep(session: Session, sweep_id: str) -> list[tuple[str, dict[str, Any]]]:
+    """(id, spec) of the sweep's completed experiments, oldest first."""
+    stmt = (
+        select(Experiment.id, Experiment.spec)
+        .where(Experiment.sweep_id == sweep_id, Experiment.status == ExperimentStatus.COMPLETED)
+        .order_by(Experiment.created_at, Experiment.id)
+    )
+    return [(i, dict(spec)) for i, spec in session.execute(stmt).all()]
 
 
 def set_experiment_sweep(session: Session, experiment_id: str, sweep_id: str) -> None:
@@ -177,6 +225,23 @@ def create_trial(session: Session, *, experiment_id: str, kind: str, index: int)
     session.add(trial)
     session.flush()
     return trial.id
+
+
+def has_trials(session: Session, experiment_id: str) -> bool:
+    """Whether the experiment has run (a trial, or its baseline, started)."""
+    stmt = select(Trial.id).where(Trial.experiment_id == experiment_id).limit(1)
+    return session.scalar(stmt) is not None
+
+
+def list_trials(session: Session, experiment_id: str) -> list[Trial]:
+    """The experiment's trials: its baseline first, then the trials by index."""
+    stmt = select(Trial).where(Trial.experiment_id == experiment_id)
+    return list(session.scalars(stmt.order_by(Trial.kind, Trial.index)))
+
+
+def ping(session: Session) -> None:
+    """A round trip to the database (raises when it cannot be reached)."""
+    session.execute(text("SELECT 1"))
 
 
 def finish_trial(
@@ -566,6 +631,16 @@ def refresh_skipped(session: Session, sweep_id: str, reasons: Mapping[str, str |
         if (cell.status, cell.reason) != (status, reason):
             cell.status, cell.reason, cell.updated_at = status, reason, utcnow()
     session.flush()
+
+
+def cell_experiment_statuses(session: Session, sweep_id: str) -> dict[str, ExperimentStatus]:
+    """The status of each cell's experiment, by cell key (cells with none are left out)."""
+    stmt = (
+        select(SweepCell.key, Experiment.status)
+        .join(Experiment, Experiment.id == SweepCell.experiment_id)
+        .where(SweepCell.sweep_id == sweep_id)
+    )
+    return {key: parse(ExperimentStatus, word) for key, word in session.execute(stmt).all()}
 
 
 def sweep_progress(session: Session, sweep_id: str) -> dict[str, int]:

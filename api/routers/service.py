@@ -1,0 +1,61 @@
+"""The service itself: health, Prometheus metrics, the registry, and `recommend` from the costs
+this database has measured."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Response, status
+from fastapi.encoders import jsonable_encoder
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from api import schemas
+from api.deps import Db, Meters, Reader
+from api.responses import unprocessable
+from failbench_ray.errors import UsageError
+from failbench_ray.recommend import Question, recommend, stored_results
+from failbench_ray.storage import queue, repo
+
+router = APIRouter(tags=["service"])
+
+
+@lru_cache(maxsize=1)
+def _registry() -> dict[str, Any]:
+    from failbench_ray.catalog import catalog, matrix
+
+    return jsonable_encoder({**catalog(), "matrix": matrix()}, custom_encoder={type: repr})
+
+
+@router.get("/v1/recommend", dependencies=Reader)
+def recommend_mechanisms(question: Annotated[Question, Query()], db: Db) -> dict[str, Any]:
+    """The applicable mechanisms ranked by expected useful / wall time, with why (the
+    same answer as `failbench recommend --json`), from the costs this database measured."""
+    try:
+        return recommend(question, stored_results(db, limit=500))
+    except UsageError as err:
+        raise unprocessable(["query"], str(err)) from None
+
+
+@router.get("/v1/registry", dependencies=Reader)
+def registry() -> dict[str, Any]:
+    """Architectures, mechanisms, traces, kill kinds and the applicability matrix."""
+    return _registry()
+
+
+@router.get("/healthz", response_model=schemas.Health)
+def healthz(response: Response, db: Db) -> schemas.Health:
+    """Liveness and the database's reachability (503 when it is down)."""
+    try:
+        with db.session() as s:
+            repo.ping(s)
+            n = len(queue.dispatchers(s))
+    except Exception as err:  # noqa: BLE001  (any failure to reach it is "down")
+        response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
+        return schemas.Health(status="degraded", database=str(err).splitlines()[0], dispatchers=0)
+    return schemas.Health(status="ok", database="ok", dispatchers=n)
+
+
+@router.get("/metrics", include_in_schema=False)
+def prometheus(metrics: Meters) -> Response:
+    return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
