@@ -223,7 +223,7 @@ class TrialController:
         else:
             self.chaos = ChaosActor.options(  # type: ignore[attr-defined]
                 name=f"{self.label}-chaos",
-                scheduling_strategy=NodeAffinitySchedulingStrategy(home, soft=True),
+                scheduling_strategy=NodeAffinitySchedulingStrategy(home, soft=False),  # pool.py
             ).remote(events)
         self.group = WorkerGroup(
             self.spec, self.run_dir, self.chaos, self.placement, self.label, self.tags, self.pool

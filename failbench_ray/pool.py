@@ -181,7 +181,9 @@ class WorkerPool:
                 self._end([handle])
         handle = ChaosActor.options(  # type: ignore[attr-defined]
             name=f"{self._prefix}-chaos{next(self._names)}",
-            scheduling_strategy=NodeAffinitySchedulingStrategy(home, soft=True) if home else None,
+            # hard: Ray's soft affinity places it elsewhere when `home` has no CPUs (a head
+            # node kept free of ranks), where a node kill can take it with its victim
+            scheduling_strategy=NodeAffinitySchedulingStrategy(home, soft=False) if home else None,
         ).remote(events)
         with self._lock:
             self._mine.add(handle._actor_id)

@@ -48,6 +48,17 @@ def _raylet_exited(node: Any) -> bool:
     return any(p.process.poll() is not None for p in procs)
 
 
+def _chaos_nodes() -> list[str]:
+    """The nodes of the live chaos actors (the pool keeps one between experiments)."""
+    from ray._private import state
+
+    return sorted(
+        a["Address"]["NodeID"]
+        for a in state.actors().values()
+        if a["State"] == "ALIVE" and "Chaos" in a["ActorClassName"]
+    )
+
+
 def main(argv: list[str]) -> int:
     import ray
     from ray.cluster_utils import Cluster
@@ -71,7 +82,9 @@ def main(argv: list[str]) -> int:
         for path in argv[1:]:
             result = run_experiment(load_spec(path), db=db, out_dir=out / "runs")
             nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
-            print(json.dumps({"result": result.model_dump(mode="json"), "alive": nodes}))
+            line = {"result": result.model_dump(mode="json"), "alive": nodes}
+            line["head"], line["chaos_nodes"] = cluster.head_node.node_id, _chaos_nodes()
+            print(json.dumps(line))
             sys.stdout.flush()
             # The next experiment starts from the same cluster: replace a node that died (its
             # raylet exited; Ray may not have noticed yet), and only that one.

@@ -88,6 +88,10 @@ def test_pack_and_spread_place_ranks_and_a_node_kill_is_recovered(tmp_path: Path
         t = run["result"]["trials"][0] if kind == "trials" else run["result"]["baseline"]
         return dict(t["rank_nodes"])
 
+    # the chaos actor lives on the head (no ranks there, never killed), or a node kill could
+    # take it with its victim: Ray's soft affinity had put it on a worker node
+    for run in (pack, spread, disk, inmem):
+        assert run["chaos_nodes"] == [run["head"]], run["chaos_nodes"]
     # a node has 2 CPUs and a rank takes 1: PACK puts both on one node, SPREAD on two
     assert len(set(nodes(pack).values())) == 1
     assert len(set(nodes(spread).values())) == 2
