@@ -376,7 +376,7 @@ SHORT = {
 }  # labels that fit the summary's column
 
 
-def summary_lines(report: dict[str, Any]) -> list[str]:
+def summary_lines(report: dict[str, Any]) -> list[str]:  # noqa: C901
     m, g = report["machine"], report["goals"]
     lines = [
         f"FailBench-Ray bench ({'quick' if report['quick'] else 'full'}) {report['date']}: "
@@ -455,7 +455,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def mechanism_lines(g: dict[str, Any], line: Callable[[str, str], None]) -> list[str]:
+def mechanism_lines(g: dict[str, Any], line: Callable[[str, str], None]) -> list[str]:  # noqa: C901
     """Summary lines of the mechanisms' goals (`line` appends the goal's own line)."""
     if "inmem_restore" in g:
         m = g["inmem_restore"]

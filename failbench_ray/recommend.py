@@ -116,7 +116,7 @@ def _trend(points: list[tuple[int, float]]) -> Callable[[int], float]:
     return lambda n: max(0.0, icpt + slope * math.log2(n))
 
 
-def measured_costs(results: Iterable[Any], world: int) -> Costs:
+def measured_costs(results: Iterable[Any], world: int) -> Costs:  # noqa: C901
     """Unit costs from completed experiments (`ExperimentResult`s), scaled to `world`."""
     per_gb: dict[str, list[float]] = defaultdict(list)
     phases: dict[str, list[tuple[int, float]]] = defaultdict(list)

@@ -198,7 +198,7 @@ def cell_row(cell: Cell) -> dict[str, Any]:
 
 
 # -- findings -------------------------------------------------------------------------------
-def findings(rows: list[dict[str, Any]]) -> list[str]:
+def findings(rows: list[dict[str, Any]]) -> list[str]:  # noqa: C901
     """Statements computed from the rows (mechanisms other than `none`, completed cells)."""
     out: list[str] = []
     ft = [r for r in rows if r["mechanism"] != "none" and r["trials"]]

@@ -44,7 +44,7 @@ class SimResult:
     cascades: int  # failures during a recovery
 
 
-def simulate(p: Profile, failures: Failures, job_s: float, world: int, seed: int = 0) -> SimResult:
+def simulate(p: Profile, failures: Failures, job_s: float, world: int, seed: int = 0) -> SimResult:  # noqa: C901
     """One run of a job of `job_s` seconds of work on `world` workers."""
     rng = random.Random(seed)
     slow = 1.0 + p.overhead  # wall seconds per second of work

@@ -104,63 +104,19 @@ class Dispatcher:
     # -- one experiment --------------------------------------------------------------------
     def run(self, exp_id: str) -> ExperimentStatus | None:
         """Run a claimed experiment to its end. Returns its final status (None: lease lost)."""
-        from failbench_ray.runner import run_experiment
-
         self.current = exp_id
-        lease = _LeaseState()
-        done = threading.Event()
+        lease, done = _LeaseState(), threading.Event()
         renewer = threading.Thread(
             target=self._renew, args=(exp_id, lease, done), name=f"lease-{exp_id[:8]}", daemon=True
         )
         renewer.start()
-
-        def should_stop() -> str | None:
-            if self.stopping.is_set():
-                return "the dispatcher is stopping"
-            if not lease.held:
-                return "the lease on this experiment was lost (another dispatcher took it over)"
-            if lease.cancel:
-                return "cancelled"
-            return None
-
-        def guard(session: Session) -> None:
-            if not queue.holds(session, exp_id, self.owner):
-                raise LeaseLost(f"dispatcher {self.owner} no longer holds experiment {exp_id}")
-
-        status: ExperimentStatus | None = None
         with self.db.session() as s:
             _sync_cell(s, exp_id, ExperimentStatus.RUNNING)
+        status: ExperimentStatus | None = None
         try:
-            spec = self._spec(exp_id)
-            if spec is not None:
-                result = run_experiment(
-                    spec,
-                    db=self.db,
-                    out_dir=self.out_dir,
-                    baseline_of=shared_baseline(self.db, exp_id),
-                    experiment_id=exp_id,
-                    should_stop=should_stop,
-                    guard=guard,
-                    cluster_share=self.cluster_share,
-                    reuse_workers=self.reuse_workers,
-                )
-                status = parse(ExperimentStatus, result.status)
-            else:
-                status = ExperimentStatus.FAILED
+            status = self._execute(exp_id, lease)
         except TrialInterrupted as err:
-            if not lease.held:
-                status = None
-            elif self.stopping.is_set():  # not the experiment's fault: it runs again later
-                status = ExperimentStatus.QUEUED
-                with self.db.session() as s:
-                    queue.give_back(s, exp_id, self.owner, f"re-queued: {err}")
-            else:
-                status = ExperimentStatus.CANCELLED
-                with contextlib.suppress(LeaseLost), self.db.session() as s:
-                    guard(s)
-                    repo.set_experiment_status(
-                        s, exp_id, ExperimentStatus.CANCELLED, error=str(err)
-                    )
+            status = self._interrupted(exp_id, lease, err)
         except LeaseLost:
             status = None
         except Exception as err:  # noqa: BLE001  (run_experiment recorded it as failed)
@@ -169,15 +125,66 @@ class Dispatcher:
         finally:
             done.set()
             renewer.join()
-            self.current = None
-            self.runs += 1
-            with self.db.session() as s:
-                queue.release(s, exp_id, self.owner)
-                queue.heartbeat(s, self.owner, None, ran=1)
-                if status is not None:
-                    _sync_cell(s, exp_id, status)
+            self._finish(exp_id, status)
         log.info("experiment %s: %s", exp_id, status or "lease lost")
         return status
+
+    def _execute(self, exp_id: str, lease: _LeaseState) -> ExperimentStatus:
+        from failbench_ray.runner import run_experiment
+
+        spec = self._spec(exp_id)
+        if spec is None:
+            return ExperimentStatus.FAILED
+        result = run_experiment(
+            spec,
+            db=self.db,
+            out_dir=self.out_dir,
+            baseline_of=shared_baseline(self.db, exp_id),
+            experiment_id=exp_id,
+            should_stop=lambda: self._should_stop(lease),
+            guard=lambda session: self._guard(session, exp_id),
+            cluster_share=self.cluster_share,
+            reuse_workers=self.reuse_workers,
+        )
+        return parse(ExperimentStatus, result.status)
+
+    def _should_stop(self, lease: _LeaseState) -> str | None:
+        if self.stopping.is_set():
+            return "the dispatcher is stopping"
+        if not lease.held:
+            return "the lease on this experiment was lost (another dispatcher took it over)"
+        if lease.cancel:
+            return "cancelled"
+        return None
+
+    def _guard(self, session: Session, exp_id: str) -> None:
+        """Before each write of the run: this dispatcher still holds the experiment."""
+        if not queue.holds(session, exp_id, self.owner):
+            raise LeaseLost(f"dispatcher {self.owner} no longer holds experiment {exp_id}")
+
+    def _interrupted(
+        self, exp_id: str, lease: _LeaseState, err: TrialInterrupted
+    ) -> ExperimentStatus | None:
+        """What a run stopped by `_should_stop` becomes."""
+        if not lease.held:
+            return None
+        if self.stopping.is_set():  # not the experiment's fault: it runs again later
+            with self.db.session() as s:
+                queue.give_back(s, exp_id, self.owner, f"re-queued: {err}")
+            return ExperimentStatus.QUEUED
+        with contextlib.suppress(LeaseLost), self.db.session() as s:
+            self._guard(s, exp_id)
+            repo.set_experiment_status(s, exp_id, ExperimentStatus.CANCELLED, error=str(err))
+        return ExperimentStatus.CANCELLED
+
+    def _finish(self, exp_id: str, status: ExperimentStatus | None) -> None:
+        self.current = None
+        self.runs += 1
+        with self.db.session() as s:
+            queue.release(s, exp_id, self.owner)
+            queue.heartbeat(s, self.owner, None, ran=1)
+            if status is not None:
+                _sync_cell(s, exp_id, status)
 
     def _spec(self, exp_id: str) -> ExperimentSpec | None:
         """The stored spec, or None after failing the experiment with why it cannot run."""
