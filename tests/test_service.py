@@ -119,7 +119,9 @@ def _a_served_sweep_keeps_its_status(srv: Server, url: str) -> None:
         shown = api.get(f"/v1/sweeps/{body['sweep_id']}").json()
     # one dispatcher: one cell after the other, and the later one copies the earlier's baseline
     reused = {i: ran[i]["result"]["baseline"].get("reused_from") for i in ran}
-    assert sorted(reused.values(), key=str) in ([first, None], [second, None]), reused
+    # exactly one cell made its own baseline; the other copied it (sorting by str once put
+    # None first or last depending on whether the id began with a digit: a flaky check)
+    assert list(reused.values()).count(None) == 1, reused
     (copy,) = [i for i in ran if reused[i] is not None]
     assert reused[copy] == ({first, second} - {copy}).pop()
     assert shown["status"] == "completed", shown
