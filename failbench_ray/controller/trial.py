@@ -1,0 +1,259 @@
+"""One trial's shared state, and the actions more than one state takes (join the group,
+restore, ask who holds which copies, record a failure)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch.distributed as dist
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from failbench_ray.checks import Resolved
+from failbench_ray.controller.callbacks import TrialCallback
+from failbench_ray.controller.calls import Gathered, RankCalls
+from failbench_ray.controller.chaos_link import ChaosLink
+from failbench_ray.controller.regrow import Growth
+from failbench_ray.controller.standby import Standby
+from failbench_ray.controller.timeline import RecoveryTimeline
+from failbench_ray.controller.watchdog import StallWatchdog
+from failbench_ray.errors import RecoveryError, TrialInterrupted
+from failbench_ray.pool import WorkerPool
+from failbench_ray.records import CheckpointEvent, FailureRecord, StepRecord
+from failbench_ray.spec import FailureEvent, Quiesce
+from failbench_ray.worker import JoinInfo, RunReport, read_record_log
+from failbench_ray.worker_group import Placement, WorkerGroup
+from mechanisms.base import FailureContext, RecoveryPlan, RestoreInstruction
+
+
+@dataclass
+class TrialOutcome:
+    status: str  # "completed" or "failed"
+    records: list[StepRecord] = field(default_factory=list)
+    checkpoints: list[CheckpointEvent] = field(default_factory=list)
+    failures: list[FailureRecord] = field(default_factory=list)
+    params_digest: str | None = None
+    state_bytes_per_rank: int | None = None  # measured on the final state (largest rank)
+    members: list[int] = field(default_factory=list)  # ranks still training at the end
+    replica_spread: float | None = None  # for architectures where every rank is a replica
+    arch_metrics: dict[str, float] = field(default_factory=dict)  # mean over the ranks
+    rank_nodes: dict[int, str] = field(default_factory=dict)  # Ray node of each rank at start
+    error: str | None = None
+
+
+@dataclass
+class TrialSetup:
+    """Where and how a trial runs (what the runner gives the controller)."""
+
+    run_dir: Path
+    placement: Placement
+    label: str  # prefix of the trial's actor names
+    events: list[FailureEvent]  # none for a baseline
+    store_host: str
+    tags: dict[str, str]
+    pool: WorkerPool | None  # started processes to reuse (never for a replacement)
+    should_stop: Callable[[], str | None]  # a reason to stop (a cancel)
+
+
+class Trial:
+    def __init__(self, resolved: Resolved, setup: TrialSetup, callbacks: TrialCallback) -> None:
+        self.spec, self.mech, self.arch = resolved.spec, resolved.mech, resolved.arch
+        self.layout = resolved.arch.layout()
+        self.setup = setup
+        self.cb = callbacks
+        self.outcome = TrialOutcome("running")
+        self.timeline = RecoveryTimeline(self.quiesce(), failures=self.outcome.failures)
+        self.chaos = ChaosLink(setup.events, setup.label, setup.pool)
+        self.standby = Standby(self.mech, setup.label, setup.pool)
+        self.growth = Growth()
+        self.watchdog = StallWatchdog(self.spec.stall_limit_s)
+        self.calls = RankCalls(self.live_handles)
+        self.group: WorkerGroup | None = None
+        self.store: dist.TCPStore | None = None
+        self.generation = -1
+        self.committed = 0  # last step every live rank completed
+        self.furthest = 0  # last step the most advanced live rank completed
+        self.members = list(range(self.spec.world_size))  # live ranks, in group-rank order
+        self.dead: set[int] = set()
+        self.recoveries = 0
+        self.survivor_steps: dict[int, int] = {}  # survivors of the last failure -> their step
+
+    @property
+    def workers(self) -> WorkerGroup:
+        if self.group is None:
+            raise RuntimeError("the worker group is not started yet")
+        return self.group
+
+    def live_handles(self) -> dict[int, Any]:
+        handles = self.group.handles if self.group is not None else {}
+        return {r: h for r, h in handles.items() if r not in self.dead}
+
+    def check_stop(self) -> None:
+        reason = self.setup.should_stop()
+        if reason is not None:
+            raise TrialInterrupted(reason)  # the controller closes every actor on the way out
+
+    def quiesce(self) -> tuple[Quiesce, str]:
+        """The spec's strategy, unless this architecture cannot honour `abort` (then why)."""
+        asked = Quiesce(self.spec.quiesce)
+        if asked is Quiesce.ABORT and not self.arch.abortable:
+            why = f"abort asked, but {self.arch.name}'s collectives are not abortable"
+            return Quiesce.KILL_SURVIVORS, why
+        return asked, ""
+
+    def close(self) -> None:
+        """Stop every actor of this trial (also on Ctrl-C)."""
+        helpers = self.standby.release()  # ended or given back with the group's actors
+        if self.group is not None:
+            self.group.shutdown(chaos=self.chaos.actor, helpers=helpers)
+        else:
+            for h in [self.chaos.actor, *helpers]:
+                if h is not None:
+                    ray.kill(h, no_restart=True)
+        self.chaos.actor = None
+        self.store = None
+
+    # -- what more than one state does -------------------------------------------------------
+    def absorb(self, reports: Any) -> None:
+        for rep in reports:
+            if isinstance(rep, RunReport):
+                self.outcome.records += rep.records
+                self.outcome.checkpoints += rep.checkpoints
+
+    def detected(self, dead: set[int]) -> None:
+        """Record newly dead ranks as failures (from the chaos actor's log)."""
+        t_detect = time.time()
+        new = self.timeline.detected(self.chaos.injections(), dead, self.dead, t_detect)
+        self._recover_records(dead - self.dead)
+        self.dead |= dead
+        for f in new:
+            self.cb.after_failure(f)
+        self.cb.after_live_ranks(len(set(self.members) - self.dead))
+
+    def _recover_records(self, dead: set[int]) -> None:
+        """Add the step records and checkpoint events dead ranks logged but never handed over
+        (events of a background save that was still running are not in the log)."""
+        have = {(r.rank, r.step, r.generation) for r in self.outcome.records}
+        seen = set(self.outcome.checkpoints)
+        for rank in dead:
+            pid = self.workers.pids.get(rank)
+            if pid is None:
+                continue
+            records, events = read_record_log(self.setup.run_dir, pid)
+            for rec in records:
+                if rec.rank == rank and (rec.rank, rec.step, rec.generation) not in have:
+                    self.outcome.records.append(rec)
+            self.outcome.checkpoints += [e for e in events if e.rank == rank and e not in seen]
+
+    def phase(self, phase: str) -> None:
+        """A recovery phase starts: a cascading failure may fire now."""
+        self.cb.before_phase(phase, bool(self.timeline.open))
+        self.chaos.on_phase(phase, self.committed)
+
+    def set_targets(self) -> None:
+        self.chaos.set_targets(self.workers.targets())
+
+    def join_all(self) -> Gathered:
+        """Every live rank joins a new process group (a new generation)."""
+        self.generation += 1
+        info = JoinInfo(
+            generation=self.generation,
+            store_host=self.setup.store_host,
+            store_port=self.store.port if self.store is not None else 0,
+            members=tuple(self.members),
+            peers=dict(self.workers.handles),
+            holders=dict(self.standby.holders),
+            backend=self.setup.placement.backend,
+            device=self.setup.placement.device,
+        )
+        return self.calls.on_all(lambda h, r: h.join.remote(info))
+
+    def kill_survivors(self, alive: list[int]) -> None:
+        """Quiesce by killing: take what each survivor recorded first."""
+        for r in alive:
+            try:
+                records, checkpoints = ray.get(self.workers.handles[r].drain.remote(), timeout=5)
+            except (RayActorError, GetTimeoutError):
+                continue
+            self.outcome.records += records
+            self.outcome.checkpoints += checkpoints
+            self.committed = max(self.committed, max((rec.step for rec in records), default=0))
+        self.workers.kill(alive)
+        self.dead |= set(alive)
+
+    # -- deciding and restoring ---------------------------------------------------------------
+    def failure_context(self) -> FailureContext:
+        alive = {r: s for r, s in self.survivor_steps.items() if r not in self.dead}
+        own, replicas = self._inventories(alive)
+        return FailureContext(
+            survivor_steps=alive,
+            own_snapshots=own,
+            replicas=replicas,
+            spares=self.standby.spares(),
+            members=tuple(self.members),
+            world_size=self.spec.world_size,
+            dead=frozenset(self.dead),
+            layout=self.layout,
+            committed_step=self.committed,
+            failure_step=self.timeline.failure_step(self.committed),
+            quiesce=self.quiesce()[0].value,
+            latest_checkpoint=self.mech.latest_checkpoint(self.setup.run_dir, self.layout),
+            furthest_step=max(self.furthest, self.committed),
+        )
+
+    def _inventories(
+        self, alive: dict[int, int]
+    ) -> tuple[dict[int, tuple[int, ...]], dict[int, dict[int, tuple[str, ...]]]]:
+        """Who holds which copies now: survivors' own snapshots, every live holder's copies."""
+        asked = {f"rank{r}": self.workers.handles[r] for r in alive}
+        asked.update(self.standby.holders)
+        refs = {n: h.inventory.remote() for n, h in asked.items()}
+        own: dict[int, tuple[int, ...]] = {}
+        replicas: dict[int, dict[int, tuple[str, ...]]] = {}
+        for name, ref in refs.items():
+            try:
+                inv = ray.get(ref, timeout=10)
+            except (RayActorError, GetTimeoutError):
+                continue  # a holder that died took its copies with it
+            if name.startswith("rank"):
+                own[int(name[4:])] = tuple(inv["own"])
+                copies = inv["copies"]
+            else:
+                copies = inv if name.startswith("holder") else inv["copies"]
+            for shard, steps in copies.items():
+                for step in steps:
+                    at = replicas.setdefault(int(shard), {}).setdefault(int(step), ())
+                    replicas[int(shard)][int(step)] = (*at, name)
+        return own, replicas
+
+    def instruction(self, plan: RecoveryPlan) -> RestoreInstruction:
+        keep = set(plan.keep)
+        if plan.source == "survivors":
+            keep |= set(self.survivor_steps) - self.dead
+        by_name = self.standby.adopted | {f"rank{r}": h for r, h in self.workers.handles.items()}
+        by_name |= self.standby.holders
+        donors = {shard: (name, kind, by_name[name]) for shard, (name, kind) in plan.donors.items()}
+        return RestoreInstruction(plan.source, plan.restore_step, frozenset(keep), donors)
+
+    def restore(self, instruction: RestoreInstruction, what: str) -> set[int]:
+        """Every live rank loads its state; ranks that keep their own go first (a just-in-time
+        donor writes its file then). Returns ranks that died meanwhile."""
+        for keepers in (True, False):
+
+            def call(h: Any, r: int, keepers: bool = keepers) -> Any:
+                return h.restore.remote(instruction) if (r in instruction.keep) == keepers else None
+
+            got = self.calls.on_all(call)
+            for events in got.values.values():
+                self.outcome.checkpoints += events
+            if got.peer_lost and not got.dead:
+                got.dead = self.calls.probe_dead()  # a donor died: find which rank it was
+            if got.dead:
+                return got.dead
+            if got.errors:
+                raise RecoveryError(f"{what} failed: {next(iter(got.errors.values()))}")
+        return set()
