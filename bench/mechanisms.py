@@ -392,6 +392,10 @@ def leak_verdict(samples: list[dict[str, Any]]) -> dict[str, Any]:
         "worst_ratio": max(every),
         "actors_alive_between_cells": alive,
         "pool_at_end": {k: end[k] for k in ("started", "reused", "ended", "idle", "parked")},
+        # the driver keeps about one socket per pooled process: a pool that grew to a wider
+        # cell's working set shows here, apart from growth per cell
+        "pool_processes_after_cell5": ref["idle"] + ref["parked"],
+        "pool_processes_at_end": end["idle"] + end["parked"],
     }
 
 

@@ -70,6 +70,7 @@ def test_leak_verdict_compares_the_end_with_cell_five() -> None:
     flat = [_sample(i, 100 + i % 3, 30, (7, 8), []) for i in range(1, 51)]
     v = leak_verdict(flat)
     assert v["met"] and v["cells"] == 50 and v["longest_lived_worker"]["cells"] == 50
+    assert v["pool_processes_after_cell5"] == v["pool_processes_at_end"] == 2
     # memory that grows 20% fails; so does an actor left alive after a cell
     grows = flat[:-1] + [_sample(50, 125, 30, (7, 8), [])]
     assert not leak_verdict(grows)["met"] and leak_verdict(grows)["worst_ratio"] > 1.2
