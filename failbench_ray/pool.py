@@ -93,7 +93,8 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._idle: dict[str, list[Any]] = defaultdict(list)  # node id -> idle workers
         self._chaos: list[Any] = []
-        self._holders: list[Any] = []  # idle replica holders (inmem_replica)
+        self._holders: list[Any] = []  # idle standby actors of mechanisms (replica holders)
+        self._holder_class: dict[Any, Any] = {}  # their Ray actor classes, by actor id
         self._parked: list[tuple[float, str, Any]] = []  # (retry at, node, worker)
         self._mine: set[Any] = set()  # actor ids of every live process the pool made
         # Workers lent to trials now, and the most ever lent at once: the pool keeps no more
@@ -152,17 +153,18 @@ class WorkerPool:
         self.started += 1
         return handle
 
-    def holder(self) -> Any:
-        """A replica holder with no copies: an idle one, else a new one (anywhere)."""
-        from mechanisms.replication import ReplicaHolderActor
-
+    def holder(self, actor: Any) -> Any:
+        """A standby actor of the Ray actor class `actor` (a mechanism's `holder_actor`) with
+        nothing in it: an idle one of that class, else a new one (anywhere)."""
         with self._lock:
-            if self._holders:
-                self.reused += 1
-                return self._holders.pop()
-            handle = ReplicaHolderActor.options(  # type: ignore[attr-defined]
+            for i, idle in enumerate(self._holders):
+                if self._holder_class.get(idle._actor_id) is actor:
+                    self.reused += 1
+                    return self._holders.pop(i)
+            handle = actor.options(
                 name=f"{self._prefix}-holder{next(self._names)}", scheduling_strategy="SPREAD"
             ).remote()
+            self._holder_class[handle._actor_id] = actor
             self._mine.add(handle._actor_id)
             self.started += 1
             return handle
@@ -277,11 +279,13 @@ class WorkerPool:
         with self._lock:
             self._mine.discard(handle._actor_id)
             self._lent.discard(handle._actor_id)
+            self._holder_class.pop(handle._actor_id, None)
 
     def _end(self, handles: list[Any]) -> None:
         for h in handles:
             with self._lock:
                 self._mine.discard(h._actor_id)
+                self._holder_class.pop(h._actor_id, None)
                 self.ended += 1
             ray.kill(h, no_restart=True)
 
@@ -338,6 +342,7 @@ class WorkerPool:
             ray.kill(h, no_restart=True)
         with self._lock:
             self._mine -= {h._actor_id for h in idle}
+            self._holder_class.clear()
 
 
 _POOL: tuple[str, WorkerPool] | None = None  # (the Ray job it belongs to, the pool)

@@ -31,12 +31,12 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from architectures import ARCHITECTURES
 from architectures.base import Trainer, WorkerContext
 from failbench_ray.comm import AbortHandle, CollectiveAborted, Generations
+from failbench_ray.identity import ActorId, RankId
 from failbench_ray.pool import ResetOutcome, process_resources
 from failbench_ray.records import CheckpointEvent, StepRecord
 from failbench_ray.spec import ExperimentSpec
 from failbench_ray.telemetry import Recorder
-from mechanisms import MECHANISMS, sources
-from mechanisms import checkpoint_io as io
+from mechanisms import MECHANISMS
 from mechanisms.base import HookContext, Hooks, RestoreInstruction
 from mechanisms.replication import Packed, ReplicaStore, pack, unpack
 
@@ -53,7 +53,7 @@ class JoinInfo:
     backend: str
     device: str
     peers: dict[int, Any] = field(default_factory=dict)  # rank -> actor handle, this generation
-    holders: dict[str, Any] = field(default_factory=dict)  # replica holders and hot spares
+    holders: dict[ActorId, Any] = field(default_factory=dict)  # replica holders, hot spares
 
 
 @dataclass
@@ -165,7 +165,7 @@ class Worker:
         self.snapshots: dict[int, Packed] = {}  # this rank's own snapshots, by step
         self.targets: list[Any] = []  # who pulls this rank's snapshots
         self.holder_lost: str | None = None  # a holder died while this rank waited on it
-        self.holders: dict[str, Any] = {}
+        self.holders: dict[ActorId, Any] = {}
         self.me: Any = None  # this actor's own handle (holders call back on it)
         self.chaos = chaos
         self._peers: dict[int, Any] = {}
@@ -232,10 +232,6 @@ class Worker:
         """This process's resident memory (bytes), threads and open files (a leak check)."""
         return process_resources(os.getpid())
 
-    @property
-    def name(self) -> str:
-        return f"rank{self.rank}"
-
     def _make_hooks(self, rank: int) -> Hooks:
         ctx = HookContext(
             rank, self.layout, self.run_dir, self.mech.params, self._failpoint, self._emit
@@ -285,12 +281,12 @@ class Worker:
         assert self.trainer is not None
         return pack(self.trainer.state_dict()), self.step
 
-    def set_holders(self, holders: dict[str, Any], members: tuple[int, ...]) -> None:
+    def set_holders(self, holders: dict[ActorId, Any], members: tuple[int, ...]) -> None:
         """Learn the current replica holders (e.g. a hot spare that just came up)."""
         self.holders = dict(holders)
-        names = [f"rank{r}" for r in members if r != self.rank] + list(holders)
-        wanted = self.mech.replica_targets(self.rank, self.layout, members, names)
-        peers = {f"rank{r}": h for r, h in self._peers.items()}
+        ids = [RankId(r) for r in members if r != self.rank] + list(holders)
+        wanted = self.mech.replica_targets(self.rank, self.layout, members, ids)
+        peers: dict[ActorId, Any] = {RankId(r): h for r, h in self._peers.items()}
         self.targets = [self.holders.get(n) or peers[n] for n in wanted]
 
     def abort(self) -> None:
@@ -367,21 +363,13 @@ class Worker:
         """Load the state the plan names into this generation's fresh trainer."""
         assert self.trainer is not None, "join() before restore()"
         step, shard = instruction.step, self.layout.shard_of_rank[self.rank]
-        events: list[CheckpointEvent] = []
         if self.rank in instruction.keep:
             # "survivors": every rank goes on from where it got (gossip ranks need not agree).
             self._keep_own_state(step, exact=instruction.source != "survivors")
-            donor = instruction.donors.get(shard)
-            if donor is not None and donor[1] == "jit" and donor[0] == self.name:
-                # Just-in-time checkpoint: this survivor writes the shard for the others.
-                path = io.jit_path(self.run_dir, step, shard)
-                nbytes, secs = io.save_atomic(self.trainer.state_dict(), path)
-                events.append(
-                    CheckpointEvent(self.rank, step, "save", nbytes, secs, time.time(), str(path))
-                )
+            events = self.hooks.donate(instruction, self.trainer)  # e.g. a just-in-time file
         else:
             local = self.snapshots.get(step) or self.replicas.local(shard, step)
-            events = sources.load(instruction, self.hooks.ctx, self.trainer, local=local)
+            events = self.hooks.restore(instruction, self.trainer, local)
         for e in events:
             self.metrics.state_transfer(e.kind, e.nbytes, e.duration_s)
         self.previous, self._restored = None, True

@@ -1,9 +1,12 @@
-"""What a fault-tolerance mechanism is.
+"""What a fault-tolerance mechanism is: one interface, two sides.
 
-Two halves, kept apart on purpose:
-- driver side, pure: where the mechanism applies, what exactness to expect, and `plan()`, which
-  turns a failure into a `RecoveryPlan` (tested without Ray);
-- worker side, `Hooks`: no-op `after_step` / `restore` methods that a mechanism overrides.
+- driver side (`Mechanism`): where it applies and what exactness to expect; the standby actors
+  it needs (`holder_actors` of its `holder_actor` class, `spare_actors` hot spares), which the
+  controller starts and ends; its pure `plan()` (and `grow_plan()`), which turns a failure into
+  a `RecoveryPlan` (tested without Ray); and `after_recovery()`, what it does once recovered;
+- worker side (`Hooks`): `after_step`, `restore` and `close`, with `publish` (a snapshot the
+  replica targets pull) in their context.
+The engine imports this interface only: a new mechanism is one module plus its registration.
 """
 
 from __future__ import annotations
@@ -17,11 +20,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict
 
 from failbench_ray.errors import RecoveryError
+from failbench_ray.identity import ActorId, RankId, SpareId
 from failbench_ray.records import CheckpointEvent
+from mechanisms import sources
 
 if TYPE_CHECKING:
     from architectures.base import Architecture, StateLayout, Trainer
     from failbench_ray.spec import ExperimentSpec
+    from mechanisms.replication import Packed
 
 RestoreSource = Literal["scratch", "checkpoint", "survivors", "replica", "peer", "jit"]
 # How one shard reaches a rank that does not keep its own state:
@@ -50,9 +56,9 @@ class FailureContext:
     # step each completed, and the steps of the snapshots each keeps of its own state.
     survivor_steps: dict[int, int] = field(default_factory=dict)
     own_snapshots: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    # Copies in the object store held by live holders: shard -> step -> holder names.
-    replicas: dict[int, dict[int, tuple[str, ...]]] = field(default_factory=dict)
-    spares: tuple[str, ...] = ()  # ready hot spares, by name
+    # Copies in the object store held by live holders: shard -> step -> who holds one.
+    replicas: dict[int, dict[int, tuple[ActorId, ...]]] = field(default_factory=dict)
+    spares: tuple[SpareId, ...] = ()  # ready hot spares
     # Ranks in the group (live or dead); default every rank. A rank replaced by an earlier,
     # interrupted recovery is a member that is neither dead nor a survivor: it needs state too.
     members: tuple[int, ...] | None = None
@@ -78,14 +84,14 @@ class RecoveryPlan:
     note: str = ""
     drop: tuple[int, ...] = ()  # dead ranks that leave the group (training goes on without)
     keep: tuple[int, ...] = ()  # survivors whose own state is already at restore_step
-    donors: dict[int, tuple[str, DonorKind]] = field(default_factory=dict)  # shard -> donor
-    spares: dict[int, str] = field(default_factory=dict)  # replaced rank -> spare taking it
+    donors: dict[int, tuple[ActorId, DonorKind]] = field(default_factory=dict)  # shard -> donor
+    spares: dict[int, SpareId] = field(default_factory=dict)  # replaced rank -> spare taking it
     grow: tuple[int, ...] = ()  # dropped ranks brought back once their replacements are up
 
 
 def donors_at(
     failure: FailureContext, step: int, restored: list[int], *, peers: bool, copies: bool
-) -> dict[int, tuple[str, DonorKind]] | None:
+) -> dict[int, tuple[ActorId, DonorKind]] | None:
     """A donor at `step` for the shard of every rank in `restored`, or None if one is missing.
 
     A survivor that keeps a snapshot of its own state at `step` needs no donor. Otherwise a
@@ -93,7 +99,7 @@ def donors_at(
     holder's copy of that step (`copies`).
     """
     layout = failure.layout
-    donors: dict[int, tuple[str, DonorKind]] = {}
+    donors: dict[int, tuple[ActorId, DonorKind]] = {}
     for rank in restored:
         if step in failure.own_snapshots.get(rank, ()):
             continue
@@ -107,7 +113,7 @@ def donors_at(
         ]
         holders = failure.replicas.get(shard, {}).get(step, ())
         if peers and live:
-            donors[shard] = (f"rank{live[0]}", "peer")
+            donors[shard] = (RankId(live[0]), "peer")
         elif copies and holders:
             donors[shard] = (holders[0], "replica")
         else:
@@ -117,7 +123,7 @@ def donors_at(
 
 def newest_restorable(
     failure: FailureContext, steps: set[int], *, peers: bool
-) -> tuple[int, tuple[int, ...], dict[int, tuple[str, DonorKind]]] | None:
+) -> tuple[int, tuple[int, ...], dict[int, tuple[ActorId, DonorKind]]] | None:
     """The newest of `steps` every member can be brought to: (step, ranks that keep, donors).
 
     Survivors already at the step keep; every other member takes its own snapshot or a donor's
@@ -173,8 +179,8 @@ class RestoreInstruction:
     source: RestoreSource
     step: int
     keep: frozenset[int] = frozenset()
-    donors: dict[int, tuple[str, DonorKind, Any]] = field(default_factory=dict)  # shard ->
-    # (donor name, kind, actor handle)
+    donors: dict[int, tuple[ActorId, DonorKind, Any]] = field(default_factory=dict)  # shard ->
+    # (donor, kind, actor handle)
 
 
 @dataclass
@@ -206,6 +212,20 @@ class Hooks:
         """Called after each optimizer step; its time counts as the step's blocked time."""
         return []
 
+    def restore(
+        self, instruction: RestoreInstruction, trainer: Trainer, local: Packed | None
+    ) -> list[CheckpointEvent]:
+        """Load this rank's shard of `instruction.step` into `trainer` (a rank that keeps its
+        own state is not asked). `local`: this process's own copy of it, if any (a snapshot,
+        a hot spare's mirror). By default from whatever the plan names: a checkpoint file, a
+        donor's copy in the object store, a live peer, a just-in-time file."""
+        return sources.load(instruction, self.ctx, trainer, local=local)
+
+    def donate(self, instruction: RestoreInstruction, trainer: Trainer) -> list[CheckpointEvent]:
+        """This rank keeps its own state (already loaded into `trainer`), and goes first: it
+        may hand it to the ranks that restore (a just-in-time checkpoint). Nothing by default."""
+        return []
+
     def close(self) -> None:
         """The trial's last step is done (finish background work)."""
 
@@ -218,9 +238,12 @@ class Mechanism(ABC):
     Params: ClassVar[type[BaseModel]] = NoParams
     hooks_cls: ClassVar[type[Hooks]] = Hooks
     needs_survivor: ClassVar[bool] = False  # recovers from a live rank's state
-    # Object-store replication: copies of rank r's state go to these holders (names from
-    # `replica_targets`); dedicated holder actors and hot spares the controller starts.
+    # Standby actors the controller starts for it (and ends with the trial): `holder_actors`
+    # of the Ray actor class `holder_actor` (the object-store backend's `ReplicaHolderActor`)
+    # and `spare_actors` hot spares (started workers). Copies of a rank's state go to the
+    # actors `replica_targets` names.
     holder_actors: int = 0
+    holder_actor: ClassVar[Any] = None
     spare_actors: int = 0
     rebalances_data: ClassVar[bool] = False  # survivors split the dead ranks' data (elastic)
 
@@ -233,8 +256,8 @@ class Mechanism(ABC):
         return None
 
     def replica_targets(
-        self, rank: int, layout: StateLayout, members: tuple[int, ...], holders: list[str]
-    ) -> list[str]:
+        self, rank: int, layout: StateLayout, members: tuple[int, ...], holders: list[ActorId]
+    ) -> list[ActorId]:
         """Who pulls a copy of `rank`'s state when it publishes (pure; none by default)."""
         return []
 
@@ -253,6 +276,10 @@ class Mechanism(ABC):
     def grow_plan(self, failure: FailureContext, grown: tuple[int, ...]) -> RecoveryPlan:
         """Pure: the group grows back (elastic): survivors keep, `grown` heal from live peers."""
         raise RecoveryError(f"{self.name} does not grow back")
+
+    def after_recovery(self, standbys: dict[ActorId, Any], step: int) -> None:  # noqa: B027 (a hook)
+        """Driver side, once every rank holds the state of `step`: e.g. tell the standby
+        actors (by identity) that their copies of later steps are stale. Nothing by default."""
 
 
 def survivor_reason(arch: Architecture, spec: ExperimentSpec) -> str | None:

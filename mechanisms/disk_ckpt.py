@@ -11,7 +11,7 @@ from architectures.base import StateLayout, Trainer
 from failbench_ray.records import CheckpointEvent
 from mechanisms import MECHANISMS
 from mechanisms import checkpoint_io as io
-from mechanisms.base import FailureContext, Hooks, Mechanism, RecoveryPlan, RestoreInstruction
+from mechanisms.base import FailureContext, Hooks, Mechanism, RecoveryPlan
 
 
 class DiskCkptParams(BaseModel):
@@ -32,19 +32,6 @@ class DiskCkptHooks(Hooks):
             state, path, on_first_write=lambda: ctx.failpoint("checkpoint_write", step)
         )
         return [CheckpointEvent(ctx.rank, step, "save", nbytes, secs, time.time(), str(path))]
-
-    def restore(self, instruction: RestoreInstruction, trainer: Trainer) -> list[CheckpointEvent]:
-        if instruction.source == "scratch":
-            return []
-        ctx = self.ctx
-        path = io.shard_path(ctx.run_dir, instruction.step, ctx.layout.shard_of_rank[ctx.rank])
-        state, nbytes, secs = io.load(path)
-        trainer.load_state_dict(state)
-        return [
-            CheckpointEvent(
-                ctx.rank, instruction.step, "restore", nbytes, secs, time.time(), str(path)
-            )
-        ]
 
 
 @MECHANISMS.register("disk_ckpt")

@@ -5,10 +5,12 @@ and restores from its own mirror, and a new spare starts in the background."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from architectures.base import StateLayout, Trainer
+from failbench_ray.identity import ActorId, SpareId
 from failbench_ray.records import CheckpointEvent
 from failbench_ray.spec import ExperimentSpec
 from mechanisms import MECHANISMS
@@ -20,6 +22,7 @@ from mechanisms.base import (
     copy_steps,
     newest_restorable,
 )
+from mechanisms.replication import truncate_copies
 
 
 class HotSpareParams(BaseModel):
@@ -57,11 +60,14 @@ class HotSpare(Mechanism):
         self.spare_actors = params.spares
 
     def replica_targets(
-        self, rank: int, layout: StateLayout, members: tuple[int, ...], holders: list[str]
-    ) -> list[str]:
+        self, rank: int, layout: StateLayout, members: tuple[int, ...], holders: list[ActorId]
+    ) -> list[ActorId]:
         if layout.writer_of(layout.shard_of_rank[rank]) != rank:
             return []
-        return [n for n in holders if n.startswith("spare")]
+        return [n for n in holders if isinstance(n, SpareId)]
+
+    def after_recovery(self, standbys: dict[ActorId, Any], step: int) -> None:
+        truncate_copies(standbys.values(), step)  # the spares' mirrors
 
     def plan(self, failure: FailureContext) -> RecoveryPlan:
         replace = tuple(sorted(failure.dead))

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from architectures.base import Architecture, StateLayout, Trainer
+from failbench_ray.identity import ActorId, HolderId, RankId
 from failbench_ray.records import CheckpointEvent
 from failbench_ray.spec import ExperimentSpec
 from mechanisms import MECHANISMS
@@ -24,6 +25,7 @@ from mechanisms.base import (
     newest_restorable,
     rollback_plan,
 )
+from mechanisms.replication import ReplicaHolderActor, truncate_copies
 
 
 class InmemReplicaParams(BaseModel):
@@ -83,6 +85,8 @@ class InmemReplica(Mechanism):
         self.p = params
         self.holder_actors = params.replicas if params.placement == "holders" else 0
 
+    holder_actor = ReplicaHolderActor
+
     def not_applicable(self, arch: Architecture) -> str | None:
         if self.p.placement == "peers" and self.spec.world_size <= self.p.replicas:
             return (
@@ -92,18 +96,21 @@ class InmemReplica(Mechanism):
         return None
 
     def replica_targets(
-        self, rank: int, layout: StateLayout, members: tuple[int, ...], holders: list[str]
-    ) -> list[str]:
+        self, rank: int, layout: StateLayout, members: tuple[int, ...], holders: list[ActorId]
+    ) -> list[ActorId]:
         if layout.writer_of(layout.shard_of_rank[rank]) != rank:
             return []  # one copy per shard: its lowest rank publishes
         if self.p.placement == "holders":
-            return [f"holder{i}" for i in range(self.p.replicas)]
+            return [HolderId(i) for i in range(self.p.replicas)]
         ring = list(members)
         at = ring.index(rank)
-        return [f"rank{ring[(at + k) % len(ring)]}" for k in range(1, self.p.replicas + 1)]
+        return [RankId(ring[(at + k) % len(ring)]) for k in range(1, self.p.replicas + 1)]
 
     def latest_checkpoint(self, run_dir: Path, layout: StateLayout) -> int | None:
         return io.latest_complete(run_dir, layout.shard_ids()) if self.p.disk_interval else None
+
+    def after_recovery(self, standbys: dict[ActorId, Any], step: int) -> None:
+        truncate_copies(standbys.values(), step)
 
     def plan(self, failure: FailureContext) -> RecoveryPlan:
         replace = tuple(sorted(failure.dead))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 from architectures.base import Architecture, StateLayout, Trainer
+from failbench_ray.identity import ActorId, RankId
 from failbench_ray.records import CheckpointEvent
 from mechanisms import MECHANISMS
 from mechanisms.base import (
@@ -48,12 +49,12 @@ class Redundant(Mechanism):
         return survivor_reason(arch, self.spec)
 
     def replica_targets(
-        self, rank: int, layout: StateLayout, members: tuple[int, ...], holders: list[str]
-    ) -> list[str]:
+        self, rank: int, layout: StateLayout, members: tuple[int, ...], holders: list[ActorId]
+    ) -> list[ActorId]:
         nxt = ring_next(rank, members)
         if nxt == rank or layout.shard_of_rank[nxt] == layout.shard_of_rank[rank]:
             return []  # the neighbour's own state already is the shadow
-        return [f"rank{nxt}"]
+        return [RankId(nxt)]
 
     def plan(self, failure: FailureContext) -> RecoveryPlan:
         replace = tuple(sorted(failure.dead))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,3 +222,10 @@ class ReplicaHolder:
 
 # Threaded: pulls for several shards and reads by replacements run at once.
 ReplicaHolderActor = ray.remote(num_cpus=0, max_concurrency=16)(ReplicaHolder)
+
+
+def truncate_copies(holders: Iterable[Any], step: int) -> None:
+    """After a rollback to `step`, copies of later steps belong to a timeline that is gone:
+    every holder (a `ReplicaHolder`, or a worker holding copies) forgets them."""
+    for h in holders:
+        h.truncate.remote(step)

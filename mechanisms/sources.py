@@ -7,7 +7,7 @@ does not keep its own state loads its shard from it, and times what it moved.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -15,8 +15,10 @@ from architectures.base import Trainer
 from failbench_ray.errors import RecoveryError
 from failbench_ray.records import CheckpointEvent
 from mechanisms import checkpoint_io as io
-from mechanisms.base import HookContext, RestoreInstruction
 from mechanisms.replication import Packed, fetch, unpack
+
+if TYPE_CHECKING:  # base calls `load` as every mechanism's default restore
+    from mechanisms.base import HookContext, RestoreInstruction
 
 
 def load(

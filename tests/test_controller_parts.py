@@ -14,6 +14,7 @@ from failbench_ray.controller.final_check import check
 from failbench_ray.controller.timeline import RecoveryTimeline, replacement
 from failbench_ray.controller.watchdog import StallWatchdog
 from failbench_ray.errors import RecoveryError
+from failbench_ray.identity import HolderId, RankId, SpareId
 from failbench_ray.records import FailureRecord
 from failbench_ray.spec import Quiesce
 from injector.chaos import Injection
@@ -72,8 +73,8 @@ def test_a_failure_during_recovery_interrupts_the_open_one() -> None:
     ("plan", "expected"),
     [
         (RecoveryPlan((1,), "peer", 3), "cold"),
-        (RecoveryPlan((1,), "replica", 3, spares={1: "spare0"}), "warm"),
-        (RecoveryPlan((1, 2), "replica", 3, spares={1: "spare0"}), "cold"),
+        (RecoveryPlan((1,), "replica", 3, spares={1: SpareId(0)}), "warm"),
+        (RecoveryPlan((1, 2), "replica", 3, spares={1: SpareId(0)}), "cold"),
         (RecoveryPlan((), "survivors", 3, drop=(1,)), "none"),
         (RecoveryPlan((), "survivors", 3, drop=(1,), grow=(1,)), "cold"),
     ],
@@ -161,3 +162,8 @@ def test_every_state_returns_the_next_state_and_only_two_end_a_trial() -> None:
     assert {c.name for c in classes if c.terminal} == {"finished", "failed"}
     assert states.Failed("why").run(None) == states.Failed("why")  # type: ignore[arg-type]
     assert states.Restoring(RecoveryPlan((), "survivors", 1)).plan.restore_step == 1
+
+
+def test_identities_compare_by_role_and_read_as_names() -> None:
+    assert (str(RankId(3)), str(HolderId(0)), str(SpareId(1))) == ("rank3", "holder0", "spare1")
+    assert RankId(1) != HolderId(1) and len({RankId(1), HolderId(1), SpareId(1), RankId(1)}) == 3

@@ -14,6 +14,9 @@ import torch
 from architectures.base import StateLayout
 from failbench_ray.checks import resolve
 from failbench_ray.errors import NotApplicableError
+from failbench_ray.identity import HolderId as H
+from failbench_ray.identity import RankId as R
+from failbench_ray.identity import SpareId as S
 from failbench_ray.runner import run_experiment
 from failbench_ray.spec import parse_spec
 from failbench_ray.storage.db import Database
@@ -59,10 +62,10 @@ def mech(name: str, world: int = 4, **params: Any) -> Any:
 
 
 def test_inmem_replica_rolls_back_to_the_newest_complete_set_of_copies() -> None:
-    f = failure(replicas={0: {5: ("holder0",), 10: ("holder0",)}})
+    f = failure(replicas={0: {5: (H(0),), 10: (H(0),)}})
     plan = mech("inmem_replica").plan(f)
     assert (plan.source, plan.restore_step, plan.replace) == ("replica", 10, (1,))
-    assert plan.keep == () and plan.donors == {0: ("holder0", "replica")}
+    assert plan.keep == () and plan.donors == {0: (H(0), "replica")}
 
 
 def test_inmem_replica_falls_back_to_disk_when_the_copies_died_with_their_holders() -> None:
@@ -70,7 +73,7 @@ def test_inmem_replica_falls_back_to_disk_when_the_copies_died_with_their_holder
     f = failure(
         STAGES4,
         dead={1, 2},
-        replicas={0: {10: ("rank1",)}, 3: {10: ("rank0",)}},
+        replicas={0: {10: (R(1),)}, 3: {10: (R(0),)}},
         latest_checkpoint=5,
     )
     plan = mech("inmem_replica", placement="peers").plan(f)
@@ -88,28 +91,28 @@ def test_a_survivor_with_its_own_snapshot_needs_no_donor() -> None:
         STAGES4,
         survivors={0: 11, 2: 11, 3: 11},
         own_snapshots={0: (10,), 2: (10,), 3: (10,)},
-        replicas={1: {10: ("rank2",)}},
+        replicas={1: {10: (R(2),)}},
     )
     plan = mech("redundant").plan(f)
-    assert plan.restore_step == 10 and plan.donors == {1: ("rank2", "replica")}
+    assert plan.restore_step == 10 and plan.donors == {1: (R(2), "replica")}
     assert plan.keep == () and "roll back" in plan.note
 
 
 def test_redundant_takes_the_current_shadow_without_rollback() -> None:
-    f = failure(STAGES4, replicas={1: {10: ("rank2",), 11: ("rank2",)}})
+    f = failure(STAGES4, replicas={1: {10: (R(2),), 11: (R(2),)}})
     plan = mech("redundant").plan(f)
     assert (plan.restore_step, plan.keep) == (11, (0, 2, 3))
-    assert plan.donors == {1: ("rank2", "replica")} and "no rollback" in plan.note
+    assert plan.donors == {1: (R(2), "replica")} and "no rollback" in plan.note
 
 
 def test_jit_and_live_recovery_take_the_dead_ranks_state_from_a_survivor() -> None:
     f = failure(survivors={0: 11, 2: 11, 3: 12})  # rank 3 got one step further
     jit = mech("jit_ckpt").plan(f)
     assert (jit.source, jit.restore_step, jit.keep) == ("jit", 12, (3,))
-    assert jit.donors == {0: ("rank3", "jit")}
+    assert jit.donors == {0: (R(3), "jit")}
     live = mech("live_recovery").plan(f)
     assert (live.source, live.restore_step, live.replace) == ("peer", 12, (1,))
-    assert live.donors == {0: ("rank3", "peer")}
+    assert live.donors == {0: (R(3), "peer")}
 
 
 def test_elastic_drops_the_dead_and_grows_them_back() -> None:
@@ -118,33 +121,33 @@ def test_elastic_drops_the_dead_and_grows_them_back() -> None:
     assert (plan.source, plan.keep) == ("survivors", (0, 3))
     grow = mech("elastic").grow_plan(failure(dead=set(), survivors={0: 30, 3: 30}), (1, 2))
     assert (grow.source, grow.restore_step, grow.keep) == ("peer", 30, (0, 3))
-    assert grow.donors == {0: ("rank0", "peer")}
+    assert grow.donors == {0: (R(0), "peer")}
 
 
 def test_hot_spares_take_the_dead_ranks_in_order() -> None:
-    f = failure(dead={1, 2}, replicas={0: {11: ("spare0",)}}, spares=("spare0",))
+    f = failure(dead={1, 2}, replicas={0: {11: (S(0),)}}, spares=(S(0),))
     plan = mech("hot_spare").plan(f)
-    assert plan.spares == {1: "spare0"} and plan.replace == (1, 2)
+    assert plan.spares == {1: S(0)} and plan.replace == (1, 2)
     assert (plan.restore_step, plan.keep) == (11, (0, 3))
     # every rank killed (a non-abortable architecture): all restore from the mirror
-    f = failure(dead={0, 1, 2, 3}, survivors={}, replicas={0: {9: ("spare0",)}}, spares=("spare0",))
+    f = failure(dead={0, 1, 2, 3}, survivors={}, replicas={0: {9: (S(0),)}}, spares=(S(0),))
     plan = mech("hot_spare").plan(f)
-    assert (plan.restore_step, plan.keep, plan.donors) == (9, (), {0: ("spare0", "replica")})
+    assert (plan.restore_step, plan.keep, plan.donors) == (9, (), {0: (S(0), "replica")})
 
 
 def test_replica_targets() -> None:
     members = (0, 1, 2, 3)
-    names = ["rank1", "rank2", "holder0", "holder1", "spare0"]
+    names = [R(1), R(2), H(0), H(1), S(0)]
     assert mech("inmem_replica", replicas=2).replica_targets(0, DDP4, members, names) == [
-        "holder0",
-        "holder1",
+        H(0),
+        H(1),
     ]
     assert mech("inmem_replica").replica_targets(1, DDP4, members, names) == []  # not the writer
     peers = mech("inmem_replica", placement="peers", replicas=2)
-    assert peers.replica_targets(3, STAGES4, members, names) == ["rank0", "rank1"]
-    assert mech("redundant").replica_targets(3, STAGES4, members, names) == ["rank0"]
+    assert peers.replica_targets(3, STAGES4, members, names) == [R(0), R(1)]
+    assert mech("redundant").replica_targets(3, STAGES4, members, names) == [R(0)]
     assert mech("redundant").replica_targets(1, DDP4, members, names) == []  # same shard
-    assert mech("hot_spare").replica_targets(0, DDP4, members, names) == ["spare0"]
+    assert mech("hot_spare").replica_targets(0, DDP4, members, names) == [S(0)]
 
 
 # ---------------------------------------------------------------------------------------------

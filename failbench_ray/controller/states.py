@@ -213,7 +213,7 @@ class Restoring(TrialState):
         dead = t.restore(t.instruction(plan), "restore")
         if dead:
             return failed_ranks(t, dead)
-        t.standby.truncate(plan.restore_step)
+        t.mech.after_recovery(dict(t.standby.holders), plan.restore_step)
         done = t.timeline.restored(plan, time.time())
         t.cb.after_restore(done, plan)
         t.committed = plan.restore_step

@@ -22,6 +22,7 @@ from failbench_ray.controller.standby import Standby
 from failbench_ray.controller.timeline import RecoveryTimeline
 from failbench_ray.controller.watchdog import StallWatchdog
 from failbench_ray.errors import RecoveryError, TrialInterrupted
+from failbench_ray.identity import ActorId, HolderId, RankId
 from failbench_ray.pool import WorkerPool
 from failbench_ray.records import CheckpointEvent, FailureRecord, StepRecord
 from failbench_ray.spec import FailureEvent, Quiesce
@@ -207,36 +208,35 @@ class Trial:
 
     def _inventories(
         self, alive: dict[int, int]
-    ) -> tuple[dict[int, tuple[int, ...]], dict[int, dict[int, tuple[str, ...]]]]:
+    ) -> tuple[dict[int, tuple[int, ...]], dict[int, dict[int, tuple[ActorId, ...]]]]:
         """Who holds which copies now: survivors' own snapshots, every live holder's copies."""
-        asked = {f"rank{r}": self.workers.handles[r] for r in alive}
+        asked: dict[ActorId, Any] = {RankId(r): self.workers.handles[r] for r in alive}
         asked.update(self.standby.holders)
-        refs = {n: h.inventory.remote() for n, h in asked.items()}
+        refs = {who: h.inventory.remote() for who, h in asked.items()}
         own: dict[int, tuple[int, ...]] = {}
-        replicas: dict[int, dict[int, tuple[str, ...]]] = {}
-        for name, ref in refs.items():
+        replicas: dict[int, dict[int, tuple[ActorId, ...]]] = {}
+        for who, ref in refs.items():
             try:
                 inv = ray.get(ref, timeout=10)
             except (RayActorError, GetTimeoutError):
                 continue  # a holder that died took its copies with it
-            if name.startswith("rank"):
-                own[int(name[4:])] = tuple(inv["own"])
-                copies = inv["copies"]
-            else:
-                copies = inv if name.startswith("holder") else inv["copies"]
+            if isinstance(who, RankId):
+                own[who.index] = tuple(inv["own"])
+            # a dedicated holder answers its copies; a worker (rank, spare) says more
+            copies = inv if isinstance(who, HolderId) else inv["copies"]
             for shard, steps in copies.items():
                 for step in steps:
                     at = replicas.setdefault(int(shard), {}).setdefault(int(step), ())
-                    replicas[int(shard)][int(step)] = (*at, name)
+                    replicas[int(shard)][int(step)] = (*at, who)
         return own, replicas
 
     def instruction(self, plan: RecoveryPlan) -> RestoreInstruction:
         keep = set(plan.keep)
         if plan.source == "survivors":
             keep |= set(self.survivor_steps) - self.dead
-        by_name = self.standby.adopted | {f"rank{r}": h for r, h in self.workers.handles.items()}
-        by_name |= self.standby.holders
-        donors = {shard: (name, kind, by_name[name]) for shard, (name, kind) in plan.donors.items()}
+        handles: dict[ActorId, Any] = {RankId(r): h for r, h in self.workers.handles.items()}
+        handles |= self.standby.adopted | self.standby.holders
+        donors = {shard: (who, kind, handles[who]) for shard, (who, kind) in plan.donors.items()}
         return RestoreInstruction(plan.source, plan.restore_step, frozenset(keep), donors)
 
     def restore(self, instruction: RestoreInstruction, what: str) -> set[int]:
