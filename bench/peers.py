@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import statistics
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -157,13 +160,34 @@ def goal_ray_train(env: Env, cfg: BenchConfig) -> dict[str, Any]:
     )
 
 
+_Writer = Callable[[int], tuple[float, float]]  # round -> (blocked_s, durable_s)
+
+
 def goal_dcp_peer(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
     """`torch.distributed.checkpoint` `save` and `async_save` against our `disk_ckpt` and
     `async_ckpt` writes of the same ~100 MB state: time the caller is blocked, and time until
     the checkpoint is durable. Rounds rotate the order and start with no dirty pages."""
-    import shutil
-    import threading
+    where = tmp / "dcp-peer"
+    writers = _dcp_writers(where)
+    blocked, durable = _time_writers(writers, where, 2 if cfg.quick else 12)
+    shutil.rmtree(where, ignore_errors=True)
+    med_b = {k: statistics.median(v) for k, v in blocked.items()}
+    med_d = {k: statistics.median(v) for k, v in durable.items()}
+    return with_status(
+        {
+            "goal": "async_ckpt blocks <= dcp.async_save, disk_ckpt durable <= dcp.save",
+            "met": med_b["async_ckpt"] <= med_b["dcp.async_save"]
+            and med_d["disk_ckpt"] <= med_d["dcp.save"],
+            "blocked_s": blocked,
+            "durable_s": durable,
+            "median_blocked_s": med_b,
+            "median_durable_s": med_d,
+        }
+    )
 
+
+def _dcp_writers(where: Path) -> list[tuple[str, _Writer]]:
+    """The four writers of `goal_dcp_peer`'s ~100 MB state into `where` (which it creates)."""
     import torch.distributed.checkpoint as dcp
 
     from bench.common import MB, state_of_size
@@ -171,7 +195,6 @@ def goal_dcp_peer(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
     from mechanisms.replication import pack
 
     state = state_of_size(100 * MB)
-    where = tmp / "dcp-peer"
     where.mkdir(parents=True, exist_ok=True)
 
     def disk_ckpt(i: int) -> tuple[float, float]:
@@ -201,16 +224,22 @@ def goal_dcp_peer(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
         future.result()
         return blocked, time.perf_counter() - t0
 
-    writers = [
+    return [
         ("disk_ckpt", disk_ckpt),
         ("async_ckpt", async_ckpt),
         ("dcp.save", dcp_save),
         ("dcp.async_save", dcp_async_save),
     ]
+
+
+def _time_writers(
+    writers: list[tuple[str, _Writer]], where: Path, rounds: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """(blocked_s, durable_s) of each writer, per round; `where` is emptied after each round."""
     blocked: dict[str, list[float]] = {n: [] for n, _ in writers}
     durable: dict[str, list[float]] = {n: [] for n, _ in writers}
     # Single writes of 100 MB on this shared disk swing 50-300 ms: many rounds, medians.
-    for i in range(2 if cfg.quick else 12):
+    for i in range(rounds):
         for name, fn in writers[i % 4 :] + writers[: i % 4]:
             os.sync()
             b, d = fn(i)
@@ -218,17 +247,4 @@ def goal_dcp_peer(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
             durable[name].append(d)
         shutil.rmtree(where)
         where.mkdir()
-    shutil.rmtree(where, ignore_errors=True)
-    med_b = {k: statistics.median(v) for k, v in blocked.items()}
-    med_d = {k: statistics.median(v) for k, v in durable.items()}
-    return with_status(
-        {
-            "goal": "async_ckpt blocks <= dcp.async_save, disk_ckpt durable <= dcp.save",
-            "met": med_b["async_ckpt"] <= med_b["dcp.async_save"]
-            and med_d["disk_ckpt"] <= med_d["dcp.save"],
-            "blocked_s": blocked,
-            "durable_s": durable,
-            "median_blocked_s": med_b,
-            "median_durable_s": med_d,
-        }
-    )
+    return blocked, durable

@@ -376,7 +376,10 @@ SHORT = {
 }  # labels that fit the summary's column
 
 
-def summary_lines(report: dict[str, Any]) -> list[str]:  # noqa: C901
+_Line = Callable[[str, str], None]  # appends a goal's own line to the summary
+
+
+def summary_lines(report: dict[str, Any]) -> list[str]:
     m, g = report["machine"], report["goals"]
     lines = [
         f"FailBench-Ray bench ({'quick' if report['quick'] else 'full'}) {report['date']}: "
@@ -393,6 +396,16 @@ def summary_lines(report: dict[str, Any]) -> list[str]:  # noqa: C901
             body += f" [other processes took {100 * share:.0f}% of the CPUs meanwhile]"
         lines.append(f"  {label:<17}{status:<13}{body}")
 
+    _failure_lines(g, line, lines)
+    _overhead_lines(g, line, lines)
+    _make_run_line(g, line)
+    lines += mechanism_lines(g, line)
+    _architecture_lines(g, line, lines)
+    return lines
+
+
+def _failure_lines(g: dict[str, Any], line: _Line, lines: list[str]) -> None:
+    """The detection and fast quiesce goals' lines (with the wait_timeout contrast)."""
     if "detection" in g:
         d = g["detection"].get("measured", {}).get("detected", {})
         line(
@@ -410,6 +423,10 @@ def summary_lines(report: dict[str, Any]) -> list[str]:  # noqa: C901
         w = q.get("contrast", {}).get("wait_timeout_pg_timeout_5s")
         if w and q["status"] != "error":
             lines.append(f"  {'':<30}contrast wait_timeout, pg 5s: {_ms(w['p50_s'])} (no goal)")
+
+
+def _overhead_lines(g: dict[str, Any], line: _Line, lines: list[str]) -> None:
+    """The harness overhead goal's line and its per-pair ratios."""
     o = g.get("harness_overhead", {}).get("measured", {})
     if "harness_overhead" not in g:
         pass
@@ -424,6 +441,10 @@ def summary_lines(report: dict[str, Any]) -> list[str]:  # noqa: C901
         lines.append(f"  {'':<30}per (plain, harness) pair: {pairs}")
     else:
         line("harness_overhead", "")
+
+
+def _make_run_line(g: dict[str, Any], line: _Line) -> None:
+    """The `make run` time goal's line, unless the goal is absent."""
     r = g.get("make_run_time", {"status": "absent"})
     if r["status"] == "absent":
         pass
@@ -436,7 +457,10 @@ def summary_lines(report: dict[str, Any]) -> list[str]:  # noqa: C901
             f"{mr.get('wall_s', 0):.1f} s, exit {mr.get('exit_code')} "
             f"(goal < {MAKE_RUN_GOAL_S:g} s)",
         )
-    lines += mechanism_lines(g, line)
+
+
+def _architecture_lines(g: dict[str, Any], line: _Line, lines: list[str]) -> None:
+    """One line per architecture measured (the goal's own line only on an error)."""
     a = g.get("architectures", {})
     if a.get("status") == "error":
         line("architectures", "")
@@ -452,106 +476,121 @@ def summary_lines(report: dict[str, Any]) -> list[str]:  # noqa: C901
             f"  arch {name:<16}{m['status']:<11}step {_ms(m['step_time_s'])}, "
             f"{'-' if sps is None else f'{sps:.0f}'} samples/s{bubble}"
         )
-    return lines
 
 
-def mechanism_lines(g: dict[str, Any], line: Callable[[str, str], None]) -> list[str]:  # noqa: C901
+def mechanism_lines(g: dict[str, Any], line: Callable[[str, str], None]) -> list[str]:
     """Summary lines of the mechanisms' goals (`line` appends the goal's own line)."""
-    if "inmem_restore" in g:
-        m = g["inmem_restore"]
-        line(
-            "inmem_restore",
-            f"{m.get('restore_gb_s', 0):.2f} GB/s vs memcpy {m.get('memcpy_gb_s', 0):.2f} GB/s "
-            f"= {m.get('ratio', 0):.2f}x (goal >= 0.5x)",
-        )
-    if "disk_write" in g:
-        m = g["disk_write"]
-        line(
-            "disk_write",
-            f"{m.get('disk_ckpt_gb_s', 0):.2f} GB/s vs raw {m.get('raw_gb_s', 0):.2f} GB/s = "
-            f"{m.get('ratio_vs_raw', 0):.2f}x (goal >= 0.8x); dcp.save "
-            f"{m.get('dcp_save_s', 0):.2f} s vs ours {m.get('disk_ckpt_s', 0):.2f} s",
-        )
-    if "async_overhead" in g:
-        m = g["async_overhead"]
-        o = m.get("overhead_pct", {})
-        line(
-            "async_overhead",
-            f"async {o.get('async_ckpt', 0):+.1f}% vs disk {o.get('disk_ckpt', 0):+.1f}% "
-            f"= {m.get('ratio') or 0:.2f}x (goal <= 0.33x; median of {m.get('rounds')} rounds)",
-        )
-    if "hot_spare_recovery" in g:
-        m = g["hot_spare_recovery"]
-        r = m.get("median_resumed_s", {})
-        line(
-            "hot_spare_recovery",
-            f"resumed {_ms(r.get('hot_spare'))} vs disk_ckpt {_ms(r.get('disk_ckpt'))} = "
-            f"{m.get('ratio', 0):.2f}x (goal <= 0.3x)",
-        )
-    if "ray_train_peer" in g:
-        m = g["ray_train_peer"]
-        ours = m.get("ours_median_recovery_s", {})
-        line(
-            "ray_train_peer",
-            f"ours best {m.get('best')} {_ms(ours.get(m.get('best', ''), 0))} vs Ray Train "
-            f"{_ms(m.get('ray_train_median_recovery_s'))} = {m.get('ratio', 0):.3f}x "
-            f"(goal <= 0.15x)",
-        )
-    if "dcp_peer" in g:
-        m = g["dcp_peer"]
-        b, d = m.get("median_blocked_s", {}), m.get("median_durable_s", {})
-        line(
-            "dcp_peer",
-            "blocked/durable: "
-            + ", ".join(f"{k} {_ms(b.get(k))}/{_ms(d.get(k))}" for k in b)
-            + " (goal async_ckpt blocks <= dcp.async_save, disk_ckpt durable <= dcp.save)",
-        )
-    if "metrics_overhead" in g:
-        m = g["metrics_overhead"]
-        md = m.get("ab_mean_step_s", {})
-        line(
-            "metrics_overhead",
-            f"step {_ms(md.get('on'))} on vs {_ms(md.get('off'))} off = {m.get('ratio', 0):.3f}x; "
-            f"recording {1e6 * m.get('record_s_per_step', 0):.0f} us/step "
-            f"({100 * m.get('record_share_of_step', 0):.2f}% of a step) (goal <= 1.02x)",
-        )
-    if "api_load" in g:
-        m = g["api_load"]
-        sat = m.get("saturated", {})
-        line(
-            "api_load",
-            f"{m.get('clients')} clients: at most {m.get('requests_per_s', 0):.0f} req/s (p99 "
-            f"{_ms(sat.get('p99_s'))} back to back); at 300 req/s p99 {_ms(m.get('p99_s'))}, "
-            f"p50 {_ms(m.get('p50_s'))}; {m.get('errors')} errors "
-            f"(goal >= 300 req/s, p99 <= 100 ms at 300 req/s)",
-        )
-    if "paper_matrix" in g:
-        m = g["paper_matrix"]
-        if m["status"] == "not measured":
-            line("paper_matrix", "skipped with --quick")
-        else:
-            line(
-                "paper_matrix",
-                f"{m.get('wall_s', 0) / 60:.1f} min, exit {m.get('exit_code')}, cells "
-                f"{m.get('cells_by_status')}, pool {m.get('pool')} (goal < 20 min)",
-            )
-    if "pool_leaks" in g:
-        m = g["pool_leaks"]
-        if m["status"] == "not measured":
-            line("pool_leaks", "skipped with --quick")
-        else:
-            d = m.get("driver_ratio", {})
-            line(
-                "pool_leaks",
-                f"{m.get('cells')} cells in {m.get('wall_s', 0) / 60:.1f} min: driver end/cell5 "
-                + ", ".join(f"{k} {v:.3f}x" for k, v in d.items())
-                + "; pooled (largest) "
-                + ", ".join(f"{k} {v:.3f}x" for k, v in m.get("pooled_ratio", {}).items())
-                + f"; longest-lived worker {m.get('longest_lived_worker', {}).get('cells')} cells;"
-                f" worst ratio {m.get('worst_ratio', 0):.3f}x; actors alive between cells: "
-                f"{len(m.get('actors_alive_between_cells', {}))} (goal within 10%, none)",
-            )
+    for name, text in _MECHANISM_TEXTS:
+        if name in g:
+            line(name, text(g[name]))
     return []
+
+
+def _inmem_restore_text(m: dict[str, Any]) -> str:
+    return (
+        f"{m.get('restore_gb_s', 0):.2f} GB/s vs memcpy {m.get('memcpy_gb_s', 0):.2f} GB/s "
+        f"= {m.get('ratio', 0):.2f}x (goal >= 0.5x)"
+    )
+
+
+def _disk_write_text(m: dict[str, Any]) -> str:
+    return (
+        f"{m.get('disk_ckpt_gb_s', 0):.2f} GB/s vs raw {m.get('raw_gb_s', 0):.2f} GB/s = "
+        f"{m.get('ratio_vs_raw', 0):.2f}x (goal >= 0.8x); dcp.save "
+        f"{m.get('dcp_save_s', 0):.2f} s vs ours {m.get('disk_ckpt_s', 0):.2f} s"
+    )
+
+
+def _async_overhead_text(m: dict[str, Any]) -> str:
+    o = m.get("overhead_pct", {})
+    return (
+        f"async {o.get('async_ckpt', 0):+.1f}% vs disk {o.get('disk_ckpt', 0):+.1f}% "
+        f"= {m.get('ratio') or 0:.2f}x (goal <= 0.33x; median of {m.get('rounds')} rounds)"
+    )
+
+
+def _hot_spare_recovery_text(m: dict[str, Any]) -> str:
+    r = m.get("median_resumed_s", {})
+    return (
+        f"resumed {_ms(r.get('hot_spare'))} vs disk_ckpt {_ms(r.get('disk_ckpt'))} = "
+        f"{m.get('ratio', 0):.2f}x (goal <= 0.3x)"
+    )
+
+
+def _ray_train_peer_text(m: dict[str, Any]) -> str:
+    ours = m.get("ours_median_recovery_s", {})
+    return (
+        f"ours best {m.get('best')} {_ms(ours.get(m.get('best', ''), 0))} vs Ray Train "
+        f"{_ms(m.get('ray_train_median_recovery_s'))} = {m.get('ratio', 0):.3f}x "
+        f"(goal <= 0.15x)"
+    )
+
+
+def _dcp_peer_text(m: dict[str, Any]) -> str:
+    b, d = m.get("median_blocked_s", {}), m.get("median_durable_s", {})
+    return (
+        "blocked/durable: "
+        + ", ".join(f"{k} {_ms(b.get(k))}/{_ms(d.get(k))}" for k in b)
+        + " (goal async_ckpt blocks <= dcp.async_save, disk_ckpt durable <= dcp.save)"
+    )
+
+
+def _metrics_overhead_text(m: dict[str, Any]) -> str:
+    md = m.get("ab_mean_step_s", {})
+    return (
+        f"step {_ms(md.get('on'))} on vs {_ms(md.get('off'))} off = {m.get('ratio', 0):.3f}x; "
+        f"recording {1e6 * m.get('record_s_per_step', 0):.0f} us/step "
+        f"({100 * m.get('record_share_of_step', 0):.2f}% of a step) (goal <= 1.02x)"
+    )
+
+
+def _api_load_text(m: dict[str, Any]) -> str:
+    sat = m.get("saturated", {})
+    return (
+        f"{m.get('clients')} clients: at most {m.get('requests_per_s', 0):.0f} req/s (p99 "
+        f"{_ms(sat.get('p99_s'))} back to back); at 300 req/s p99 {_ms(m.get('p99_s'))}, "
+        f"p50 {_ms(m.get('p50_s'))}; {m.get('errors')} errors "
+        f"(goal >= 300 req/s, p99 <= 100 ms at 300 req/s)"
+    )
+
+
+def _paper_matrix_text(m: dict[str, Any]) -> str:
+    if m["status"] == "not measured":
+        return "skipped with --quick"
+    return (
+        f"{m.get('wall_s', 0) / 60:.1f} min, exit {m.get('exit_code')}, cells "
+        f"{m.get('cells_by_status')}, pool {m.get('pool')} (goal < 20 min)"
+    )
+
+
+def _pool_leaks_text(m: dict[str, Any]) -> str:
+    if m["status"] == "not measured":
+        return "skipped with --quick"
+    d = m.get("driver_ratio", {})
+    return (
+        f"{m.get('cells')} cells in {m.get('wall_s', 0) / 60:.1f} min: driver end/cell5 "
+        + ", ".join(f"{k} {v:.3f}x" for k, v in d.items())
+        + "; pooled (largest) "
+        + ", ".join(f"{k} {v:.3f}x" for k, v in m.get("pooled_ratio", {}).items())
+        + f"; longest-lived worker {m.get('longest_lived_worker', {}).get('cells')} cells;"
+        f" worst ratio {m.get('worst_ratio', 0):.3f}x; actors alive between cells: "
+        f"{len(m.get('actors_alive_between_cells', {}))} (goal within 10%, none)"
+    )
+
+
+# the mechanisms' goals in the summary's order, each with the text of its line
+_MECHANISM_TEXTS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
+    ("inmem_restore", _inmem_restore_text),
+    ("disk_write", _disk_write_text),
+    ("async_overhead", _async_overhead_text),
+    ("hot_spare_recovery", _hot_spare_recovery_text),
+    ("ray_train_peer", _ray_train_peer_text),
+    ("dcp_peer", _dcp_peer_text),
+    ("metrics_overhead", _metrics_overhead_text),
+    ("api_load", _api_load_text),
+    ("paper_matrix", _paper_matrix_text),
+    ("pool_leaks", _pool_leaks_text),
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -613,13 +652,15 @@ def goal_architectures(env: Env, cfg: BenchConfig) -> dict[str, Any]:
     }
 
 
-def run_bench(cfg: BenchConfig, tmp: Path, only: set[str] | None = None) -> dict[str, Any]:
-    """Every goal (or those in `only`), in order; goals that need Ray share one cluster."""
-    from bench import mechanisms as mech
-    from failbench_ray.storage.db import Database
+_Fn = Callable[[Any], dict[str, Any]]  # takes the Env (Ray goals) or nothing useful
+_GoalRow = tuple[str, str, bool, _Fn]  # name, goal, needs Ray, measure
 
-    Fn = Callable[[Any], dict[str, Any]]  # takes the Env (Ray goals) or nothing useful
-    table: list[tuple[str, str, bool, Fn]] = [
+
+def _ray_goal_rows(cfg: BenchConfig) -> list[_GoalRow]:
+    """The goals measured on the one Ray cluster they share, in the report's order."""
+    from bench import mechanisms as mech
+
+    return [
         ("detection", "p50 of detected_s <= 0.050 s", True, lambda env: goal_detection(env, cfg)),
         (
             "fast_quiesce",
@@ -663,6 +704,14 @@ def run_bench(cfg: BenchConfig, tmp: Path, only: set[str] | None = None) -> dict
             True,
             lambda env: goal_ray_train(env, cfg),
         ),
+    ]
+
+
+def _local_goal_rows(cfg: BenchConfig, tmp: Path) -> list[_GoalRow]:
+    """The goals measured outside the shared Ray cluster (some start their own), in order."""
+    from bench import mechanisms as mech
+
+    return [
         (
             "disk_write",
             "disk_ckpt write >= 0.8x raw write+fsync and <= dcp.save",
@@ -706,6 +755,13 @@ def run_bench(cfg: BenchConfig, tmp: Path, only: set[str] | None = None) -> dict
             lambda env: mech.goal_pool_leaks(tmp, cfg),
         ),
     ]
+
+
+def run_bench(cfg: BenchConfig, tmp: Path, only: set[str] | None = None) -> dict[str, Any]:
+    """Every goal (or those in `only`), in order; goals that need Ray share one cluster."""
+    from failbench_ray.storage.db import Database
+
+    table = _ray_goal_rows(cfg) + _local_goal_rows(cfg, tmp)
     unknown = (only or set()) - {name for name, *_ in table}
     if unknown:
         raise SystemExit(f"unknown goal(s) {sorted(unknown)}; goals: {[n for n, *_ in table]}")

@@ -26,16 +26,27 @@ _FRESH_HELP = (
     "start new worker processes for every trial instead of reusing started ones "
     "(a replacement for a dead rank is a new process either way)"
 )
+_DB_HELP = "SQLAlchemy URL (default: $FAILBENCH_DB_URL or sqlite:///failbench.db)"
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="failbench", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    db_help = "SQLAlchemy URL (default: $FAILBENCH_DB_URL or sqlite:///failbench.db)"
+    _add_run(sub)
+    _add_sweep(sub)
+    _add_show(sub)
+    _add_serve(sub)
+    _add_dispatch(sub)
+    _add_report(sub)
+    _add_recommend(sub)
+    _add_list(sub)
+    return p
 
+
+def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run = sub.add_parser("run", help="run an experiment spec (trials + matched baseline)")
     run.add_argument("spec", type=Path, help="experiment spec, YAML or JSON")
-    run.add_argument("--db", help=db_help)
+    run.add_argument("--db", help=_DB_HELP)
     run.add_argument("--json", action="store_true", help="print the result JSON on stdout")
     run.add_argument("--out", type=Path, default=Path("runs"), help="directory for run files")
     run.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
@@ -43,9 +54,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("-v", "--verbose", action="store_true", help="show the workers' logs")
     run.add_argument("--fresh-workers", action="store_true", help=_FRESH_HELP)
 
+
+def _add_sweep(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     sweep = sub.add_parser("sweep", help="run a grid of experiments; run it again to resume")
     sweep.add_argument("sweep", type=Path, help="sweep file (name, base, grid), YAML or JSON")
-    sweep.add_argument("--db", help=db_help)
+    sweep.add_argument("--db", help=_DB_HELP)
     sweep.add_argument("--out", type=Path, default=Path("runs"), help="directory for run files")
     sweep.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
     sweep.add_argument("--json", action="store_true", help="print the cells as JSON on stdout")
@@ -63,15 +76,19 @@ def _parser() -> argparse.ArgumentParser:
         "worker's memory, threads and open files, and any actor still alive (a leak check)",
     )
 
+
+def _add_show(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     show = sub.add_parser("show", help="show a stored experiment's result")
     show.add_argument("experiment_id", help="the id, or its first characters")
-    show.add_argument("--db", help=db_help)
+    show.add_argument("--db", help=_DB_HELP)
     show.add_argument("--json", action="store_true", help="print the result JSON")
 
+
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve = sub.add_parser("serve", help="the REST API and N dispatchers running its queue")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--db", help=db_help)
+    serve.add_argument("--db", help=_DB_HELP)
     serve.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
     serve.add_argument("--dispatchers", type=int, default=1, help="experiments run at once")
     serve.add_argument("--out", type=Path, default=Path("runs"), help="directory for run files")
@@ -90,8 +107,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--dashboard-port", type=int, default=8265, help="Ray dashboard's port")
     serve.add_argument("--fresh-workers", action="store_true", help=_FRESH_HELP)
 
+
+def _add_dispatch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     disp = sub.add_parser("dispatch", help="dispatchers only: run what the queue holds")
-    disp.add_argument("--db", help=db_help)
+    disp.add_argument("--db", help=_DB_HELP)
     disp.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
     disp.add_argument("-n", "--dispatchers", type=int, default=1, help="experiments run at once")
     disp.add_argument("--out", type=Path, default=Path("runs"), help="directory for run files")
@@ -104,11 +123,15 @@ def _parser() -> argparse.ArgumentParser:
     disp.add_argument("--max-attempts", type=int, default=3, help="runs before giving up")
     disp.add_argument("--fresh-workers", action="store_true", help=_FRESH_HELP)
 
+
+def _add_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     rep = sub.add_parser("report", help="a sweep's results as report.md, report.html and PNGs")
-    rep.add_argument("--db", help=db_help)
+    rep.add_argument("--db", help=_DB_HELP)
     rep.add_argument("--sweep", help="the sweep's id (default: the newest sweep)")
     rep.add_argument("--out", type=Path, required=True, help="directory to write into")
 
+
+def _add_recommend(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     rec = sub.add_parser(
         "recommend", help="rank the mechanisms for a job by expected useful / wall time"
     )
@@ -126,15 +149,16 @@ def _parser() -> argparse.ArgumentParser:
         default=0.01,
         help="share of failures that also take the copies on other nodes (0..1)",
     )
-    rec.add_argument("--db", help=db_help + "; measured costs are read from it when present")
+    rec.add_argument("--db", help=_DB_HELP + "; measured costs are read from it when present")
     rec.add_argument("--json", action="store_true")
 
+
+def _add_list(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     ls = sub.add_parser("list", help="list architectures, mechanisms, traces and kill kinds")
     ls.add_argument("--json", action="store_true")
     ls.add_argument(
         "--matrix", action="store_true", help="which mechanism applies to which architecture"
     )
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
