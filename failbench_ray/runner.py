@@ -89,20 +89,7 @@ def run_experiment(
     """
     resolved = resolve(spec)
     base = resolve(baseline_spec(spec))
-    with db.session() as s:
-        if experiment_id is None:
-            exp_id = repo.create_experiment(
-                s,
-                spec=spec.model_dump(mode="json"),
-                architecture=spec.architecture.name,
-                mechanism=spec.mechanism.name,
-                name=spec.name,
-                status=ExperimentStatus.RUNNING,
-            )
-        else:
-            guard(s)
-            exp_id = experiment_id
-            repo.delete_trials(s, exp_id)
+    exp_id = _experiment_row(db, spec, experiment_id, guard)
     on_created(exp_id)
     exp_dir = out_dir / exp_id
     # An earlier, cut-off attempt's files (checkpoints above all) must not be restored from.
@@ -125,6 +112,33 @@ def run_experiment(
                 s, exp_id, ExperimentStatus.FAILED, error=f"{type(err).__name__}: {err}"
             )
         raise
+    return _finish(db, exp_id, exp_dir, ok, guard)
+
+
+def _experiment_row(
+    db: Database, spec: ExperimentSpec, experiment_id: str | None, guard: Callable[[Session], None]
+) -> str:
+    """A new experiment row, or a queued one's (`experiment_id`) with what an earlier attempt
+    left of it discarded."""
+    with db.session() as s:
+        if experiment_id is None:
+            return repo.create_experiment(
+                s,
+                spec=spec.model_dump(mode="json"),
+                architecture=spec.architecture.name,
+                mechanism=spec.mechanism.name,
+                name=spec.name,
+                status=ExperimentStatus.RUNNING,
+            )
+        guard(s)
+        repo.delete_trials(s, experiment_id)
+        return experiment_id
+
+
+def _finish(
+    db: Database, exp_id: str, exp_dir: Path, ok: bool, guard: Callable[[Session], None]
+) -> ExperimentResult:
+    """Store the experiment's status, and its result beside its files (result.json)."""
     with db.session() as s:
         guard(s)
         done = ExperimentStatus.COMPLETED if ok else ExperimentStatus.FAILED

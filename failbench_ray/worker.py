@@ -12,7 +12,6 @@ waits on `serve` methods, so the waits cannot form a cycle.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import os
 import random
@@ -25,23 +24,21 @@ from typing import Any
 
 import ray
 import torch
-import torch.distributed as dist
-from ray.exceptions import GetTimeoutError, RayActorError
 
 from architectures import ARCHITECTURES
 from architectures.base import Trainer, WorkerContext
 from failbench_ray.comm import AbortHandle, CollectiveAborted, Generations
-from failbench_ray.identity import ActorId, RankId
-from failbench_ray.pool import ResetOutcome, process_resources
+from failbench_ray.identity import ActorId
 from failbench_ray.records import CheckpointEvent, StepRecord
 from failbench_ray.spec import ExperimentSpec
 from failbench_ray.telemetry import Recorder
+from failbench_ray.worker_copies import HoldsCopies
+from failbench_ray.worker_reuse import Reusable
 from mechanisms import MECHANISMS
 from mechanisms.base import HookContext, Hooks, RestoreInstruction
-from mechanisms.replication import Packed, ReplicaStore, pack, unpack
+from mechanisms.replication import Packed, ReplicaStore, unpack
 
 _FAILPOINT_WAIT_S = 120.0
-_PARKED_MARGIN_S = 2.0  # after a parked collective's timeout, before its thread is surely free
 
 
 @dataclass(frozen=True)
@@ -100,14 +97,12 @@ def read_record_log(run_dir: Path, pid: int) -> tuple[list[StepRecord], list[Che
     return records, events
 
 
-_OWN_SNAPSHOTS = 2  # snapshots of its own state a rank keeps (to roll back one interval)
-
-
-class Worker:
+class Worker(HoldsCopies, Reusable):
     """One rank, or (rank -1) a hot spare that mirrors state until it takes a dead rank's place.
 
-    Besides training, every worker can hold copies of other ranks' state (`pull`, served on
-    its extra threads) and hand out its own snapshots (`snapshot_for`) and live state.
+    Besides training, every worker can hold copies of other ranks' state and hand out its own
+    snapshots and live state (`HoldsCopies`, worker_copies.py), and can shed a trial for the
+    pool to reuse it (`Reusable`, worker_reuse.py).
     """
 
     def __init__(
@@ -185,53 +180,6 @@ class Worker:
             print(f"now rank {rank} of {self.trial}", flush=True)  # the actor's log says whose
         return self.ready()
 
-    def reset(self) -> ResetOutcome:
-        """Shed the trial: its process groups, state, copies and files, so that this process
-        is as a fresh one. It cannot while its training thread still runs, nor while a thread
-        is parked in a collective on a dead peer: nothing but that group's timeout frees it
-        (DESIGN.md); the outcome then says when that timeout will have passed."""
-        if self._running:
-            return ResetOutcome("its training thread is still running")
-        oldest = [t for h in self._handles if (t := h.oldest_in_flight()) is not None]
-        if oldest:
-            stale = sum(h.in_flight() for h in self._handles)
-            timeout = self.spec.pg_timeout_s
-            return ResetOutcome(
-                f"{stale} collective(s) parked on a dead peer",
-                retry_in_s=max(0.0, min(oldest) + timeout - time.monotonic()) + _PARKED_MARGIN_S,
-            )
-        if getattr(self, "hooks", None) is not None:
-            self.hooks.close()  # e.g. a background checkpoint write still running
-        self.generations.close()
-        self._handles = []
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        for name in ("trainer", "previous", "replicas", "snapshots", "hooks", "_peers", "holders"):
-            self.__dict__.pop(name, None)
-        self.targets, self.chaos, self.me, self.trial = [], None, None, ""
-        gc.collect()  # between trials, off every hot path: modules and optimizers go now
-        return ResetOutcome(None)
-
-    def leftovers(self) -> dict[str, Any]:
-        """What of a trial this process still holds (empty after a clean `reset`)."""
-        held: dict[str, Any] = {
-            name: True
-            for name in ("trainer", "previous", "replicas", "snapshots", "hooks", "holders")
-            if self.__dict__.get(name)
-        }
-        if dist.is_initialized():
-            held["process_group"] = True
-        if self.generations.held():
-            held["old_groups"] = self.generations.held()
-        if self._log is not None:
-            held["record_log"] = self._log.name
-        return held
-
-    def resources(self) -> dict[str, int]:
-        """This process's resident memory (bytes), threads and open files (a leak check)."""
-        return process_resources(os.getpid())
-
     def _make_hooks(self, rank: int) -> Hooks:
         ctx = HookContext(
             rank, self.layout, self.run_dir, self.mech.params, self._failpoint, self._emit
@@ -249,45 +197,6 @@ class Worker:
         self.rank = rank
         self.metrics.set_tag("rank", str(rank))
         self.hooks = self._make_hooks(rank)
-
-    @ray.method(concurrency_group="pull")
-    def pull(self, shard: int, step: int, source: Any) -> bool:
-        return self.replicas.pull(shard, step, source)
-
-    @ray.method(concurrency_group="serve")
-    def replica_ref(self, shard: int, step: int) -> list[Any]:
-        return self.replicas.ref(shard, step)
-
-    def inventory(self) -> dict[str, Any]:
-        """Copies this process holds, its own snapshots and its last completed step."""
-        return {
-            "copies": self.replicas.inventory(),
-            "own": sorted(self.snapshots),
-            "step": self.step,
-        }
-
-    def truncate(self, step: int) -> None:
-        """Forget held copies newer than `step` (a hot spare, after a rollback)."""
-        self.replicas.truncate(step)
-
-    @ray.method(concurrency_group="serve")
-    def snapshot_for(self, step: int) -> Packed:
-        """This rank's snapshot of `step` (a holder pulls it, and so owns the copy)."""
-        return self.snapshots[step]
-
-    @ray.method(concurrency_group="serve")
-    def live_state(self) -> tuple[Packed, int]:
-        """This rank's current state and its step (a replacement heals from it)."""
-        assert self.trainer is not None
-        return pack(self.trainer.state_dict()), self.step
-
-    def set_holders(self, holders: dict[ActorId, Any], members: tuple[int, ...]) -> None:
-        """Learn the current replica holders (e.g. a hot spare that just came up)."""
-        self.holders = dict(holders)
-        ids = [RankId(r) for r in members if r != self.rank] + list(holders)
-        wanted = self.mech.replica_targets(self.rank, self.layout, members, ids)
-        peers: dict[ActorId, Any] = {RankId(r): h for r, h in self._peers.items()}
-        self.targets = [self.holders.get(n) or peers[n] for n in wanted]
 
     def abort(self) -> None:
         self.abort_handle.abort()
@@ -393,31 +302,6 @@ class Worker:
         self.metrics.state_transfer(event.kind, event.nbytes, event.duration_s)
         with self._lock:
             self._checkpoints.append(event)
-
-    def _publish(self, step: int, trainer: Trainer, wait: bool = False) -> tuple[int, float, int]:
-        """Snapshot at the step boundary; the targets pull it in the background, or (`wait`)
-        before the step counts as done, so their copy is never behind this rank."""
-        t0 = time.perf_counter()
-        packed = pack(trainer.state_dict())
-        self.snapshots[step] = packed
-        for old in sorted(self.snapshots)[:-_OWN_SNAPSHOTS]:
-            del self.snapshots[old]
-        shard = self.layout.shard_of_rank[self.rank]
-        pulls = [target.pull.remote(shard, step, self.me) for target in self.targets]
-        if wait:
-            try:
-                # As long as a collective may take: a holder that neither answers nor dies
-                # must not hold this rank, and its peers, forever.
-                ray.get(pulls, timeout=self.spec.pg_timeout_s)
-            except (RayActorError, GetTimeoutError) as err:
-                # The step is done here but its copy is held nowhere: stop after it and let
-                # the driver, which sees the holder's death, decide. (Raising would make this
-                # live rank look dead to the driver.)
-                self.holder_lost = f"a holder of this rank's copy failed: {type(err).__name__}"
-                if not isinstance(err, RayActorError):
-                    self.holder_lost += f" ({err})"
-                return packed.nbytes, time.perf_counter() - t0, 0
-        return packed.nbytes, time.perf_counter() - t0, len(self.targets)
 
     def run(self, start: int, end: int, armed: dict[tuple[str, int], int]) -> RunReport:
         """Run steps start..end (inclusive) until done or a peer's death aborts the step."""
