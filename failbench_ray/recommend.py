@@ -116,7 +116,7 @@ def _trend(points: list[tuple[int, float]]) -> Callable[[int], float]:
     return lambda n: max(0.0, icpt + slope * math.log2(n))
 
 
-def measured_costs(results: Iterable[Any], world: int) -> Costs:  # noqa: C901
+def measured_costs(results: Iterable[Any], world: int) -> Costs:
     """Unit costs from completed experiments (`ExperimentResult`s), scaled to `world`."""
     per_gb: dict[str, list[float]] = defaultdict(list)
     phases: dict[str, list[tuple[int, float]]] = defaultdict(list)
@@ -129,23 +129,8 @@ def measured_costs(results: Iterable[Any], world: int) -> Costs:  # noqa: C901
             ck = extra.get("checkpoint") or {}
             if t.status != "completed" or gb is None:
                 continue
-            if mech == "disk_ckpt" and ck.get("blocked_s_per_save"):
-                per_gb["save_s_per_gb"].append(ck["blocked_s_per_save"] / gb)
-            if mech in ("async_ckpt", "inmem_replica") and ck.get("blocked_s_per_save"):
-                per_gb["snapshot_s_per_gb"].append(ck["blocked_s_per_save"] / gb)
-            if ck.get("restore_s_max") and mech in ("disk_ckpt", "async_ckpt"):
-                per_gb["read_s_per_gb"].append(ck["restore_s_max"] / gb)
-            if ck.get("restore_s_max") and mech in ("inmem_replica", "live_recovery"):
-                per_gb["copy_s_per_gb"].append(ck["restore_s_max"] / gb)
-            for f in t.failures:
-                ph = f.phases.model_dump()  # seconds after the injection
-                det, qui, ref = ph["detected_s"], ph["quiesced_s"], ph["reformed_s"]
-                if f.interrupted_by is not None or None in (det, qui, ref):
-                    continue
-                phases["detect_s"].append((n, det))
-                phases["quiesce_s"].append((n, qui - det))
-                key = "adopt_s" if mech == "hot_spare" else "start_s"
-                phases[key].append((n, ref - qui))
+            _checkpoint_costs(mech, ck, gb, per_gb)
+            _phase_costs(mech, n, t.failures, phases)
     costs = Costs()
     for key, values in per_gb.items():
         setattr(costs, key, statistics.median(values))
@@ -158,6 +143,35 @@ def measured_costs(results: Iterable[Any], world: int) -> Costs:  # noqa: C901
         costs.reform_s = 0.0
         costs.source["reform_s"] = "included in start_s (measured together)"
     return costs
+
+
+def _checkpoint_costs(
+    mech: Any, ck: dict[str, Any], gb: float, per_gb: dict[str, list[float]]
+) -> None:
+    """Add one trial's save and restore times, per GB, to the costs they measure."""
+    if mech == "disk_ckpt" and ck.get("blocked_s_per_save"):
+        per_gb["save_s_per_gb"].append(ck["blocked_s_per_save"] / gb)
+    if mech in ("async_ckpt", "inmem_replica") and ck.get("blocked_s_per_save"):
+        per_gb["snapshot_s_per_gb"].append(ck["blocked_s_per_save"] / gb)
+    if ck.get("restore_s_max") and mech in ("disk_ckpt", "async_ckpt"):
+        per_gb["read_s_per_gb"].append(ck["restore_s_max"] / gb)
+    if ck.get("restore_s_max") and mech in ("inmem_replica", "live_recovery"):
+        per_gb["copy_s_per_gb"].append(ck["restore_s_max"] / gb)
+
+
+def _phase_costs(
+    mech: Any, n: int, failures: Iterable[Any], phases: dict[str, list[tuple[int, float]]]
+) -> None:
+    """Add one trial's uninterrupted recoveries' phases, at world size `n`, to `phases`."""
+    for f in failures:
+        ph = f.phases.model_dump()  # seconds after the injection
+        det, qui, ref = ph["detected_s"], ph["quiesced_s"], ph["reformed_s"]
+        if f.interrupted_by is not None or None in (det, qui, ref):
+            continue
+        phases["detect_s"].append((n, det))
+        phases["quiesce_s"].append((n, qui - det))
+        key = "adopt_s" if mech == "hot_spare" else "start_s"
+        phases[key].append((n, ref - qui))
 
 
 # -- profiles --------------------------------------------------------------------------------
@@ -240,10 +254,9 @@ def _why(p: Profile, mtbf_s: float, ratio: float) -> str:
     return f"{100 * ratio:.1f}% useful: " + "; ".join(parts)
 
 
-def recommend(q: Question, results: Iterable[Any] = ()) -> dict[str, Any]:
-    """The answer, as JSON-ready data. Raises UsageError on a question that cannot be asked."""
+def _check(q: Question) -> None:
+    """Raise UsageError on a question that cannot be asked."""
     from architectures import ARCHITECTURES
-    from failbench_ray import catalog
 
     if q.architecture not in ARCHITECTURES:
         raise UsageError(
@@ -258,6 +271,33 @@ def recommend(q: Question, results: Iterable[Any] = ()) -> dict[str, Any]:
         raise UsageError(f"unknown preset {q.preset!r}; choose one of {', '.join(PRESETS)}")
     if q.mtbf_hours is not None and not q.mtbf_hours > 0:
         raise UsageError(f"--mtbf-hours must be positive (got {q.mtbf_hours:g})")
+
+
+def _ranked(q: Question, p: Profile, job_s: float, job_mtbf_s: float) -> dict[str, Any]:
+    """One applicable mechanism's entry in the ranking: expected, and simulated."""
+    if p.mechanism == "none":
+        ratio = no_checkpoint_ratio(job_s, p.restart_s, job_mtbf_s)
+    else:
+        ratio = expected_ratio(p, job_mtbf_s)
+    sim = None
+    if q.simulate_runs and (p.mechanism != "none" or job_s / job_mtbf_s < 20):
+        failures = Failures(job_mtbf_s)
+        mean, half = simulate_many(p, failures, job_s, q.world, runs=q.simulate_runs)
+        sim = {"ratio": mean, "ci95": half, "runs": q.simulate_runs}
+    return {
+        "mechanism": p.mechanism,
+        "expected_ratio": ratio,
+        "simulated": sim,
+        "interval_s": interval(p, job_mtbf_s) if p.periodic else None,
+        "why": _why(p, job_mtbf_s, ratio),
+    }
+
+
+def recommend(q: Question, results: Iterable[Any] = ()) -> dict[str, Any]:
+    """The answer, as JSON-ready data. Raises UsageError on a question that cannot be asked."""
+    from failbench_ray import catalog
+
+    _check(q)
     preset = PRESETS[q.preset] if q.preset is not None else None
     worker_mtbf_h = preset.worker_mtbf_hours if preset else float(q.mtbf_hours or 0)
     job_mtbf_s = worker_mtbf_h * 3600 / q.world
@@ -268,28 +308,11 @@ def recommend(q: Question, results: Iterable[Any] = ()) -> dict[str, Any]:
     job_s = q.job_days * 86400
     ranked: list[dict[str, Any]] = []
     refused: list[dict[str, Any]] = []
-    failures = Failures(job_mtbf_s)
     for p in profiles(q, costs, per_rank, job_mtbf_s, replicated=shards == 1):
         if applies.get(p.mechanism, "not registered") is not None:
             refused.append({"mechanism": p.mechanism, "reason": applies.get(p.mechanism)})
             continue
-        if p.mechanism == "none":
-            ratio = no_checkpoint_ratio(job_s, p.restart_s, job_mtbf_s)
-        else:
-            ratio = expected_ratio(p, job_mtbf_s)
-        sim = None
-        if q.simulate_runs and (p.mechanism != "none" or job_s / job_mtbf_s < 20):
-            mean, half = simulate_many(p, failures, job_s, q.world, runs=q.simulate_runs)
-            sim = {"ratio": mean, "ci95": half, "runs": q.simulate_runs}
-        ranked.append(
-            {
-                "mechanism": p.mechanism,
-                "expected_ratio": ratio,
-                "simulated": sim,
-                "interval_s": interval(p, job_mtbf_s) if p.periodic else None,
-                "why": _why(p, job_mtbf_s, ratio),
-            }
-        )
+        ranked.append(_ranked(q, p, job_s, job_mtbf_s))
     ranked.sort(key=lambda r: -r["expected_ratio"])
     return {
         "question": q.model_dump(),

@@ -198,24 +198,35 @@ def cell_row(cell: Cell) -> dict[str, Any]:
 
 
 # -- findings -------------------------------------------------------------------------------
-def findings(rows: list[dict[str, Any]]) -> list[str]:  # noqa: C901
+def findings(rows: list[dict[str, Any]]) -> list[str]:
     """Statements computed from the rows (mechanisms other than `none`, completed cells)."""
-    out: list[str] = []
     ft = [r for r in rows if r["mechanism"] != "none" and r["trials"]]
+    out = _best_findings(ft) + _overhead_ranges(ft)
+    for r in ft:
+        found = _throughput_finding(r)
+        if found is not None:
+            out.append(found)
+    return out
+
+
+def _best(rs: list[dict[str, Any]], key: str) -> tuple[str, float] | None:
+    """The mechanism with the lowest median `key` over `rs`, and that median."""
+    per_mech: dict[str, list[float]] = defaultdict(list)
+    for r in rs:
+        if r[key] is not None:
+            per_mech[r["mechanism"]].append(r[key])
+    if not per_mech:
+        return None
+    name = min(per_mech, key=lambda m: statistics.median(per_mech[m]))
+    return name, statistics.median(per_mech[name])
+
+
+def _best_findings(ft: list[dict[str, Any]]) -> list[str]:
+    """Per architecture, the best mechanism by each of three measures."""
+    out: list[str] = []
     by_arch: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in ft:
         by_arch[r["architecture"]].append(r)
-
-    def best(rs: list[dict[str, Any]], key: str) -> tuple[str, float] | None:
-        per_mech: dict[str, list[float]] = defaultdict(list)
-        for r in rs:
-            if r[key] is not None:
-                per_mech[r["mechanism"]].append(r[key])
-        if not per_mech:
-            return None
-        name = min(per_mech, key=lambda m: statistics.median(per_mech[m]))
-        return name, statistics.median(per_mech[name])
-
     for arch in sorted(by_arch):
         rs = by_arch[arch]
         parts = []
@@ -224,11 +235,17 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:  # noqa: C901
             ("resumed_s", "time from the kill to training again", " s"),
             ("time_to_baseline_loss_s", "time to reach the baseline's final loss", " s"),
         ):
-            b = best(rs, key)
+            b = _best(rs, key)
             if b is not None:
                 parts.append(f"by {label}: **{b[0]}** ({b[1]:.3g}{unit})")
         if parts:
             out.append(f"{arch}: best " + "; ".join(parts) + ".")
+    return out
+
+
+def _overhead_ranges(ft: list[dict[str, Any]]) -> list[str]:
+    """Per mechanism run on two architectures or more, how far its overhead ranges."""
+    out: list[str] = []
     samples: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in ft:
         if r["overhead_pct"] is not None:
@@ -242,26 +259,27 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:  # noqa: C901
                 f"{mech}'s overhead ranges from {archs[lo]:.3g}% ({lo}) to {archs[hi]:.3g}% "
                 f"({hi}) across {len(archs)} architectures."
             )
-    for r in ft:
-        before, after, cmp = (
-            r["samples_per_s_before"],
-            r["samples_per_s_after"],
-            r["loss_vs_baseline"],
-        )
-        if before and after and after > before * 1.05 and cmp and cmp.difference is not None:
-            became = (
-                "became loss progress (lower loss than the baseline at matched time)"
-                if cmp.verdict == "lower"
-                else f"did not become loss progress ({cmp.verdict} at matched time)"
-            )
-            at_samples = r["loss_vs_baseline_samples"]
-            if at_samples is not None and at_samples.difference is not None:
-                became += f"; at matched samples the loss is {at_samples.verdict}"
-            out.append(
-                f"{r['cell']}: throughput rose {after / before:.2f}x after the failure and "
-                f"{became}."
-            )
     return out
+
+
+def _throughput_finding(r: dict[str, Any]) -> str | None:
+    """Where throughput rose after the failure: whether that became loss progress."""
+    before, after, cmp = (
+        r["samples_per_s_before"],
+        r["samples_per_s_after"],
+        r["loss_vs_baseline"],
+    )
+    if not (before and after and after > before * 1.05 and cmp and cmp.difference is not None):
+        return None
+    became = (
+        "became loss progress (lower loss than the baseline at matched time)"
+        if cmp.verdict == "lower"
+        else f"did not become loss progress ({cmp.verdict} at matched time)"
+    )
+    at_samples = r["loss_vs_baseline_samples"]
+    if at_samples is not None and at_samples.difference is not None:
+        became += f"; at matched samples the loss is {at_samples.verdict}"
+    return f"{r['cell']}: throughput rose {after / before:.2f}x after the failure and {became}."
 
 
 # -- figures --------------------------------------------------------------------------------
@@ -269,23 +287,41 @@ def _figures(cells: list[Cell], rows: list[dict[str, Any]], out: Path) -> list[s
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     names: list[str] = []
     shown = [r for r in rows if r["trials"] and any(r["phases_s"].values())]
     if shown:
-        fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(shown)), 4))
-        bottom = [0.0] * len(shown)
-        for phase in SHOWN_PHASES:
-            h = [r["phases_s"][phase] or 0.0 for r in shown]
-            ax.bar(range(len(shown)), h, bottom=bottom, label=phase)
-            bottom = [b + v for b, v in zip(bottom, h, strict=True)]
-        ax.set_xticks(range(len(shown)), [r["cell"] for r in shown], rotation=75, fontsize=7)
-        ax.set_ylabel("seconds (median)")
-        ax.set_title("Recovery phases")
-        ax.legend(fontsize=7)
-        names.append(_save(fig, out / "recovery_phases.png"))
+        names.append(_phases_figure(shown, out))
     archs = sorted({r["architecture"] for r in rows})
+    names.append(_heatmap(rows, archs, out))
+    for arch in archs:
+        mine = [c for c in cells if c.architecture == arch and c.trials]
+        if mine:
+            names.append(_loss_throughput_figure(arch, mine, out))
+    return names
+
+
+def _phases_figure(shown: list[dict[str, Any]], out: Path) -> str:
+    """Stacked bars of the median recovery phases of each cell in `shown`."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(shown)), 4))
+    bottom = [0.0] * len(shown)
+    for phase in SHOWN_PHASES:
+        h = [r["phases_s"][phase] or 0.0 for r in shown]
+        ax.bar(range(len(shown)), h, bottom=bottom, label=phase)
+        bottom = [b + v for b, v in zip(bottom, h, strict=True)]
+    ax.set_xticks(range(len(shown)), [r["cell"] for r in shown], rotation=75, fontsize=7)
+    ax.set_ylabel("seconds (median)")
+    ax.set_title("Recovery phases")
+    ax.legend(fontsize=7)
+    return _save(fig, out / "recovery_phases.png")
+
+
+def _heatmap(rows: list[dict[str, Any]], archs: list[str], out: Path) -> str:
+    """The steady-state overhead of each architecture x mechanism (blank: none measured)."""
+    import matplotlib.pyplot as plt
+
     mechs = sorted({r["mechanism"] for r in rows})
     grid = [[math.nan] * len(mechs) for _ in archs]
     for r in rows:
@@ -297,43 +333,45 @@ def _figures(cells: list[Cell], rows: list[dict[str, Any]], out: Path) -> list[s
     ax.set_yticks(range(len(archs)), archs, fontsize=8)
     fig.colorbar(im, ax=ax, label="steady-state overhead %")
     ax.set_title("Overhead by architecture x mechanism")
-    names.append(_save(fig, out / "overhead_heatmap.png"))
-    for arch in archs:
-        mine = [c for c in cells if c.architecture == arch and c.trials]
-        if not mine:
-            continue
-        traces = sorted({c.trace for c in mine})
-        fig, axes = plt.subplots(
-            2, len(traces), figsize=(4.5 * len(traces) + 2.5, 7), squeeze=False
+    return _save(fig, out / "overhead_heatmap.png")
+
+
+def _loss_throughput_figure(arch: str, mine: list[Cell], out: Path) -> str:
+    """Per trace of `arch`: the loss over wall time (above), throughput around the failure."""
+    import matplotlib.pyplot as plt
+
+    traces = sorted({c.trace for c in mine})
+    fig, axes = plt.subplots(2, len(traces), figsize=(4.5 * len(traces) + 2.5, 7), squeeze=False)
+    for col, trace in enumerate(traces):
+        loss_ax, tput_ax = axes[0][col], axes[1][col]
+        _plot_trace(loss_ax, tput_ax, [c for c in mine if c.trace == trace])
+        loss_ax.set_title(f"{arch}, {trace}: loss (5-step mean)")
+        loss_ax.set_xlabel("wall clock since start, s (dotted: failures)")
+        tput_ax.axvline(0, color="red", linestyle=":")
+        tput_ax.set_title(f"{arch}, {trace}: samples/s (5-step mean)")
+        tput_ax.set_xlabel("seconds from the first failure")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1 - 2.0 / (4.5 * len(traces) + 2.5), 1))
+    return _save(fig, out / f"loss_throughput_{arch}.png", layout=False)
+
+
+def _plot_trace(loss_ax: Any, tput_ax: Any, here: list[Cell]) -> None:
+    """The baseline's and each cell's first trial's curves, on one trace's two axes."""
+    base = next((c.baseline for c in here if c.baseline is not None), None)
+    if base is not None:
+        loss_ax.plot(
+            base.curve.wall_s, _smooth(base.curve.loss), color="black", lw=2, label="baseline"
         )
-        for col, trace in enumerate(traces):
-            loss_ax, tput_ax = axes[0][col], axes[1][col]
-            here = [c for c in mine if c.trace == trace]
-            base = next((c.baseline for c in here if c.baseline is not None), None)
-            if base is not None:
-                loss_ax.plot(
-                    base.curve.wall_s, _smooth(base.curve.loss), color="black", lw=2,
-                    label="baseline",
-                )  # fmt: skip
-            for c in here:
-                run = c.trials[0]
-                (line,) = loss_ax.plot(run.curve.wall_s, _smooth(run.curve.loss), label=c.mechanism)
-                t0 = min(r.t_start for r in run.records)
-                for t in run.t_injected:
-                    loss_ax.axvline(t - t0, color=line.get_color(), linestyle=":", alpha=0.6)
-                if run.t_injected:
-                    x, y = _throughput(run, run.t_injected[0])
-                    tput_ax.plot(*_gaps(x, _smooth(y)), color=line.get_color())
-            loss_ax.set_title(f"{arch}, {trace}: loss (5-step mean)")
-            loss_ax.set_xlabel("wall clock since start, s (dotted: failures)")
-            tput_ax.axvline(0, color="red", linestyle=":")
-            tput_ax.set_title(f"{arch}, {trace}: samples/s (5-step mean)")
-            tput_ax.set_xlabel("seconds from the first failure")
-        handles, labels = axes[0][0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="center right", fontsize=8)
-        fig.tight_layout(rect=(0, 0, 1 - 2.0 / (4.5 * len(traces) + 2.5), 1))
-        names.append(_save(fig, out / f"loss_throughput_{arch}.png", layout=False))
-    return names
+    for c in here:
+        run = c.trials[0]
+        (line,) = loss_ax.plot(run.curve.wall_s, _smooth(run.curve.loss), label=c.mechanism)
+        t0 = min(r.t_start for r in run.records)
+        for t in run.t_injected:
+            loss_ax.axvline(t - t0, color=line.get_color(), linestyle=":", alpha=0.6)
+        if run.t_injected:
+            x, y = _throughput(run, run.t_injected[0])
+            tput_ax.plot(*_gaps(x, _smooth(y)), color=line.get_color())
 
 
 def _throughput(run: Run, t_fail: float) -> tuple[list[float], list[float]]:

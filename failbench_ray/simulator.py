@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from failbench_ray.reliability import Profile, interval
@@ -44,101 +44,158 @@ class SimResult:
     cascades: int  # failures during a recovery
 
 
-def simulate(p: Profile, failures: Failures, job_s: float, world: int, seed: int = 0) -> SimResult:  # noqa: C901
+def simulate(p: Profile, failures: Failures, job_s: float, world: int, seed: int = 0) -> SimResult:
     """One run of a job of `job_s` seconds of work on `world` workers."""
-    rng = random.Random(seed)
-    slow = 1.0 + p.overhead  # wall seconds per second of work
-    tau = interval(p, failures.mtbf_s) if p.periodic else math.inf
-    fb = p.fallback
-    q = p.p_replica_loss if fb is not None else 0.0
-    fb_tau = math.inf
-    if fb is not None and fb.periodic:
-        fb_tau = interval(fb, failures.mtbf_s / q) if q > 0 else math.inf
-    t, work = 0.0, 0.0
-    saved: list[tuple[float, float]] = [(0.0, 0.0)]  # (work level, restorable from time)
-    fb_saved = 0.0
-    next_save, next_fb = tau, fb_tau
-    degraded_until, degraded_share = 0.0, 0.0
-    next_fail = failures.draw(rng)
-    n_fail = n_fb = n_cascade = 0
+    sim = _Sim.start(p, failures, job_s, world, seed)
+    while sim.work < job_s:
+        sim.skip_cycles()
+        if sim.advance():  # a failure at sim.t: roll back, then recover
+            sim.fail()
+    t = sim.t
+    return SimResult(job_s / t if t > 0 else 1.0, t, sim.n_fail, sim.n_fb, sim.n_cascade)
 
-    def restorable(now: float) -> float:
-        return max(w for w, ready in saved if ready <= now)
 
-    while work < job_s:
-        if p.periodic and t >= degraded_until and math.isclose(work, next_save - tau):
-            # Whole save cycles that end before the next failure: skip through them at once.
-            cycle = tau * slow + p.save_s
-            k = min(int((next_fail - t) // cycle), int((min(next_fb, job_s) - work) // tau)) - 1
-            if k > 0:
-                work, t = work + k * tau, t + k * cycle
-                saved = [*saved[-3:], (work, t + p.durable_s)]
-                next_save = work + tau
-        target = min(next_save, next_fb, job_s)
-        rate = slow / (1.0 - degraded_share) if t < degraded_until else slow
+@dataclass
+class _Sim:
+    """The state of one `simulate` run; its steps are methods, which share that state."""
+
+    p: Profile
+    failures: Failures
+    job_s: float
+    world: int
+    rng: random.Random
+    slow: float  # wall seconds per second of work
+    tau: float  # the save interval (inf: no periodic saves)
+    q: float  # probability that a failure also takes the in-memory copies
+    fb_tau: float  # the fallback's save interval
+    next_save: float
+    next_fb: float
+    next_fail: float
+    t: float = 0.0
+    work: float = 0.0
+    saved: list[tuple[float, float]] = field(default_factory=lambda: [(0.0, 0.0)])  # (work, ready)
+    fb_saved: float = 0.0
+    degraded_until: float = 0.0
+    degraded_share: float = 0.0
+    n_fail: int = 0
+    n_fb: int = 0
+    n_cascade: int = 0
+
+    @classmethod
+    def start(cls, p: Profile, failures: Failures, job_s: float, world: int, seed: int) -> _Sim:
+        """A run at time 0, with its first failure drawn."""
+        rng = random.Random(seed)
+        tau = interval(p, failures.mtbf_s) if p.periodic else math.inf
+        fb = p.fallback
+        q = p.p_replica_loss if fb is not None else 0.0
+        fb_tau = math.inf
+        if fb is not None and fb.periodic:
+            fb_tau = interval(fb, failures.mtbf_s / q) if q > 0 else math.inf
+        slow = 1.0 + p.overhead
+        next_fail = failures.draw(rng)
+        return cls(
+            p, failures, job_s, world, rng, slow, tau, q, fb_tau,
+            next_save=tau, next_fb=fb_tau, next_fail=next_fail,
+        )  # fmt: skip
+
+    def restorable(self, now: float) -> float:
+        """The newest saved work level that is durable by `now`."""
+        return max(w for w, ready in self.saved if ready <= now)
+
+    def skip_cycles(self) -> None:
+        """Whole save cycles that end before the next failure: skip through them at once."""
+        p, tau, t, work = self.p, self.tau, self.t, self.work
+        if not (
+            p.periodic and t >= self.degraded_until and math.isclose(work, self.next_save - tau)
+        ):
+            return
+        cycle = tau * self.slow + p.save_s
+        end = min(self.next_fb, self.job_s)
+        k = min(int((self.next_fail - t) // cycle), int((end - work) // tau)) - 1
+        if k > 0:
+            self.work, self.t = work + k * tau, t + k * cycle
+            self.saved = [*self.saved[-3:], (self.work, self.t + p.durable_s)]
+            self.next_save = self.work + tau
+
+    def advance(self) -> bool:
+        """Train to the next save (and make it) or the end; True: a failure came first, at t."""
+        slow, t, work, back = self.slow, self.t, self.work, self.degraded_until
+        target = min(self.next_save, self.next_fb, self.job_s)
+        rate = slow / (1.0 - self.degraded_share) if t < back else slow
         t_reach = t + (target - work) * rate
-        if t < degraded_until < t_reach:  # the group grows back before the target
-            t_reach = degraded_until + (target - work - (degraded_until - t) / rate) * slow
-        if next_fail >= t_reach:
-            work, t = target, t_reach
-            if work >= job_s:
-                break
-            pause = 0.0
-            if work >= next_save:
-                pause += p.save_s
-            if work >= next_fb and fb is not None:
-                pause += fb.save_s
-            if next_fail < t + pause:  # failed while saving: the save never completes
-                work = _progress_at(work, t, next_fail, 0.0)
-                t = next_fail
-            else:
-                t += pause
-                if work >= next_save:
-                    saved.append((work, t + p.durable_s))
-                    saved = saved[-4:]
-                    next_save = work + tau
-                if work >= next_fb:
-                    fb_saved, next_fb = work, work + fb_tau
-                continue
-        else:
-            work = _progress_at(work, t, next_fail, rate, degraded_until, slow)
-            t = next_fail
-        # -- a failure at time t: roll back, then recover (a failure meanwhile starts over)
-        n_fail += 1
-        took_copies = rng.random() < q
+        if t < back < t_reach:  # the group grows back before the target
+            t_reach = back + (target - work - (back - t) / rate) * slow
+        if self.next_fail >= t_reach:
+            self.work, self.t = target, t_reach
+            if self.work >= self.job_s:
+                return False
+            return self._save()
+        self.work = _progress_at(work, t, self.next_fail, rate, back, slow)
+        self.t = self.next_fail
+        return True
+
+    def _save(self) -> bool:
+        """The saves due at `work`; True: a failure came during them (they never complete)."""
+        p, fb, work = self.p, self.p.fallback, self.work
+        pause = 0.0
+        if work >= self.next_save:
+            pause += p.save_s
+        if work >= self.next_fb and fb is not None:
+            pause += fb.save_s
+        if self.next_fail < self.t + pause:  # failed while saving: the save never completes
+            self.work = _progress_at(work, self.t, self.next_fail, 0.0)
+            self.t = self.next_fail
+            return True
+        self.t += pause
+        if work >= self.next_save:
+            self.saved.append((work, self.t + p.durable_s))
+            self.saved = self.saved[-4:]
+            self.next_save = work + self.tau
+        if work >= self.next_fb:
+            self.fb_saved, self.next_fb = work, work + self.fb_tau
+        return False
+
+    def fail(self) -> None:
+        """A failure at time `t`: roll back, then recover (a failure meanwhile starts over)."""
+        p, failures, rng = self.p, self.failures, self.rng
+        self.n_fail += 1
+        took_copies = rng.random() < self.q
         node = rng.random() < failures.node_share
-        killed = min(world - 1, failures.workers_per_node) if node else 1
+        killed = min(self.world - 1, failures.workers_per_node) if node else 1
         while True:
-            if took_copies and fb is not None:
-                n_fb += 1
-                level, restart = fb_saved, fb.restart_s
-            elif p.periodic:
-                level, restart = restorable(t), p.restart_s
-            elif p.lost_s is not None:
-                level, restart = max(0.0, work - p.lost_s), p.restart_s
-            else:  # nothing to restore from: the job starts over
-                level, restart = 0.0, p.restart_s
-            work = min(work, level)
-            next_fail = t + failures.draw(rng)
-            if next_fail >= t + restart:
-                t += restart
+            level, restart = self._restore_point(took_copies)
+            self.work = min(self.work, level)
+            self.next_fail = self.t + failures.draw(rng)
+            if self.next_fail >= self.t + restart:
+                self.t += restart
                 break
-            t = next_fail  # a cascading failure during the recovery
-            n_fail += 1
-            n_cascade += 1
-            took_copies = took_copies or rng.random() < q
+            self.t = self.next_fail  # a cascading failure during the recovery
+            self.n_fail += 1
+            self.n_cascade += 1
+            took_copies = took_copies or rng.random() < self.q
         # what was restored is where the next failure rolls back to, until the next save
-        saved = [(w, r) for w, r in saved if w < work][-3:] + [(work, t)]
+        self.saved = [(w, r) for w, r in self.saved if w < self.work][-3:] + [(self.work, self.t)]
         if p.periodic:
-            next_save = work + tau
-        if fb is not None and fb_saved > work:
-            fb_saved = work
-        if fb is not None:
-            next_fb = fb_saved + fb_tau
+            self.next_save = self.work + self.tau
+        if p.fallback is not None and self.fb_saved > self.work:
+            self.fb_saved = self.work
+        if p.fallback is not None:
+            self.next_fb = self.fb_saved + self.fb_tau
         if p.degraded_s > 0:  # elastic: fewer ranks train until the group grows back
-            degraded_until = t + p.degraded_s
-            degraded_share = min(0.9, killed * p.degraded_share)
-    return SimResult(job_s / t if t > 0 else 1.0, t, n_fail, n_fb, n_cascade)
+            self.degraded_until = self.t + p.degraded_s
+            self.degraded_share = min(0.9, killed * p.degraded_share)
+
+    def _restore_point(self, took_copies: bool) -> tuple[float, float]:
+        """The work level a recovery restores, and how long it takes."""
+        p, fb = self.p, self.p.fallback
+        if took_copies and fb is not None:
+            self.n_fb += 1
+            return self.fb_saved, fb.restart_s
+        if p.periodic:
+            return self.restorable(self.t), p.restart_s
+        if p.lost_s is not None:
+            return max(0.0, self.work - p.lost_s), p.restart_s
+        return 0.0, p.restart_s  # nothing to restore from: the job starts over
 
 
 def _progress_at(
