@@ -40,7 +40,7 @@ class _Source:
     """Plays a rank that published a snapshot (a holder pulls it, as in training)."""
 
     def __init__(self, nbytes: int) -> None:
-        from mechanisms.replication import pack
+        from failbench_ray.replication import pack
 
         self.packed = pack(state_of_size(nbytes))
 
@@ -52,7 +52,7 @@ class _Replacement:
     """Plays the replacement rank: live tensors to restore into, and a memcpy to compare with."""
 
     def __init__(self, nbytes: int) -> None:
-        from mechanisms.replication import unpack
+        from failbench_ray.replication import unpack
 
         torch.set_num_threads(1)
         self.nbytes = nbytes
@@ -69,7 +69,7 @@ class _Replacement:
         return time.perf_counter() - t0
 
     def restore_s(self, holder: Any) -> float:
-        from mechanisms.replication import fetch
+        from failbench_ray.replication import fetch
 
         t0 = time.perf_counter()
         state = self.unpack(fetch(holder, 0, 1))
@@ -91,7 +91,7 @@ def _flat(state: Any) -> list[torch.Tensor]:
 def goal_inmem_restore(cfg: BenchConfig) -> dict[str, Any]:
     import ray
 
-    from mechanisms.replication import ReplicaHolderActor
+    from failbench_ray.replication import ReplicaHolderActor
 
     nbytes = 100 * MB
     source = ray.remote(num_cpus=0)(_Source).remote(nbytes)

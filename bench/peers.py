@@ -191,8 +191,8 @@ def _dcp_writers(where: Path) -> list[tuple[str, _Writer]]:
     import torch.distributed.checkpoint as dcp
 
     from bench.common import MB, state_of_size
+    from failbench_ray.replication import pack
     from mechanisms import checkpoint_io as io
-    from mechanisms.replication import pack
 
     state = state_of_size(100 * MB)
     where.mkdir(parents=True, exist_ok=True)

@@ -30,13 +30,13 @@ from architectures.base import Trainer, WorkerContext
 from failbench_ray.comm import AbortHandle, CollectiveAborted, Generations
 from failbench_ray.identity import ActorId
 from failbench_ray.records import CheckpointEvent, StepRecord
+from failbench_ray.replication import Packed, ReplicaStore, unpack
 from failbench_ray.spec import ExperimentSpec
 from failbench_ray.telemetry import Recorder
 from failbench_ray.worker_copies import HoldsCopies
 from failbench_ray.worker_reuse import Reusable
 from mechanisms import MECHANISMS
 from mechanisms.base import HookContext, Hooks, RestoreInstruction
-from mechanisms.replication import Packed, ReplicaStore, unpack
 
 _FAILPOINT_WAIT_S = 120.0
 

@@ -3,7 +3,7 @@ snapshots of its own that others pull (the `Worker` actor mixes this in).
 
 A rank's copies go where its mechanism's `replica_targets` says: dedicated holders, hot spares
 or peer ranks (`inmem_replica` with `placement: peers`, `redundant`), so every worker can hold
-copies. The backend itself is `mechanisms/replication.py`.
+copies. The backend itself is `failbench_ray/replication.py`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from architectures.base import StateLayout, Trainer
 from failbench_ray.identity import ActorId, RankId
+from failbench_ray.replication import Packed, ReplicaStore, pack
 from failbench_ray.spec import ExperimentSpec
 from mechanisms.base import Mechanism
-from mechanisms.replication import Packed, ReplicaStore, pack
 
 _OWN_SNAPSHOTS = 2  # snapshots of its own state a rank keeps (to roll back one interval)
 

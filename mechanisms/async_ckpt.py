@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from architectures.base import StateLayout, Trainer
 from failbench_ray.records import CheckpointEvent
+from failbench_ray.replication import Packed, pack
 from mechanisms import MECHANISMS
 from mechanisms import checkpoint_io as io
 from mechanisms.base import (
@@ -24,7 +25,6 @@ from mechanisms.base import (
     RecoveryPlan,
     rollback_plan,
 )
-from mechanisms.replication import Packed, pack
 
 
 class AsyncCkptParams(BaseModel):

@@ -26,8 +26,8 @@ from mechanisms import sources
 
 if TYPE_CHECKING:
     from architectures.base import Architecture, StateLayout, Trainer
+    from failbench_ray.replication import Packed
     from failbench_ray.spec import ExperimentSpec
-    from mechanisms.replication import Packed
 
 RestoreSource = Literal["scratch", "checkpoint", "survivors", "replica", "peer", "jit"]
 # How one shard reaches a rank that does not keep its own state:

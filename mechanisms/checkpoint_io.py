@@ -26,7 +26,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from mechanisms.replication import Packed, _Slot, layout, raw_bytes, unpack
+from failbench_ray.replication import Packed, _Slot, layout, raw_bytes, unpack
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -140,8 +140,11 @@ class _SkeletonUnpickler(pickle.Unpickler):
     """A packed file's header holds plain containers, numbers, strings and slots: nothing
     else is loaded (like `torch.load(weights_only=True)`)."""
 
+    # Files written before the backend moved into the engine name its old module.
+    _SLOT_MODULES = (_Slot.__module__, "mechanisms.replication")
+
     def find_class(self, module: str, name: str) -> Any:
-        if module == _Slot.__module__ and name == "_Slot":
+        if module in self._SLOT_MODULES and name == "_Slot":
             return _Slot
         raise pickle.UnpicklingError(f"a checkpoint header may not hold {module}.{name}")
 

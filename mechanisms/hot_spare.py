@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from architectures.base import StateLayout, Trainer
 from failbench_ray.identity import ActorId, SpareId
 from failbench_ray.records import CheckpointEvent
+from failbench_ray.replication import truncate_copies
 from failbench_ray.spec import ExperimentSpec
 from mechanisms import MECHANISMS
 from mechanisms.base import (
@@ -22,7 +23,6 @@ from mechanisms.base import (
     copy_steps,
     newest_restorable,
 )
-from mechanisms.replication import truncate_copies
 
 
 class HotSpareParams(BaseModel):

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from architectures.base import Architecture, StateLayout, Trainer
 from failbench_ray.identity import ActorId, HolderId, RankId
 from failbench_ray.records import CheckpointEvent
+from failbench_ray.replication import ReplicaHolderActor, truncate_copies
 from failbench_ray.spec import ExperimentSpec
 from mechanisms import MECHANISMS
 from mechanisms import checkpoint_io as io
@@ -25,7 +26,6 @@ from mechanisms.base import (
     newest_restorable,
     rollback_plan,
 )
-from mechanisms.replication import ReplicaHolderActor, truncate_copies
 
 
 class InmemReplicaParams(BaseModel):

@@ -14,8 +14,8 @@ import ray
 from architectures.base import Trainer
 from failbench_ray.errors import RecoveryError
 from failbench_ray.records import CheckpointEvent
+from failbench_ray.replication import Packed, fetch, unpack
 from mechanisms import checkpoint_io as io
-from mechanisms.replication import Packed, fetch, unpack
 
 if TYPE_CHECKING:  # base calls `load` as every mechanism's default restore
     from mechanisms.base import HookContext, RestoreInstruction

@@ -55,3 +55,28 @@ def test_no_complexity_exception_is_silenced() -> None:
         if "noqa: C901" in line
     ]
     assert not silenced, f"split these instead of silencing ruff's C901: {silenced}"
+
+
+def test_the_engine_may_import_no_mechanism_module() -> None:
+    """Issue 14, item 2: the engine (failbench_ray) knows mechanisms through their interface
+    (mechanisms.base) and the registry only. The import-linter contract that checks it must name
+    every other module of mechanisms/, a new one included, or a new mechanism could be imported
+    by the engine unnoticed."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    contracts = config["tool"]["importlinter"]["contracts"]
+    engine = [
+        c
+        for c in contracts
+        if c["type"] == "forbidden" and c["source_modules"] == ["failbench_ray"]
+    ]
+    assert len(engine) == 1, "pyproject.toml: one forbidden contract with source failbench_ray"
+    modules = {
+        f"mechanisms.{p.stem}"
+        for p in (ROOT / "mechanisms").glob("*.py")
+        if p.stem not in ("__init__", "base")
+    }
+    assert modules, "no mechanism module found"
+    missing = sorted(modules - set(engine[0]["forbidden_modules"]))
+    assert not missing, f"add {missing} to the contract's forbidden_modules in pyproject.toml"

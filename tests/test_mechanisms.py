@@ -17,12 +17,12 @@ from failbench_ray.errors import NotApplicableError
 from failbench_ray.identity import HolderId as H
 from failbench_ray.identity import RankId as R
 from failbench_ray.identity import SpareId as S
+from failbench_ray.replication import ReplicaStore, pack, unpack
 from failbench_ray.runner import run_experiment
 from failbench_ray.spec import parse_spec
 from failbench_ray.storage.db import Database
 from mechanisms import MECHANISMS
 from mechanisms.base import FailureContext
-from mechanisms.replication import ReplicaStore, pack, unpack
 
 MLP = {"kind": "mlp", "input_dim": 16, "hidden_dim": 32, "depth": 3}
 GPT = {"kind": "transformer", "vocab_size": 32, "d_model": 16, "n_heads": 4, "seq_len": 8}

@@ -6,11 +6,14 @@ real files under tmp_path, and `Chaos` is the plain class the chaos actor wraps.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import signal
 import subprocess
+import sys
 import threading
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,7 @@ from architectures.base import NoParams as ArchNoParams
 from architectures.base import StateLayout, Trainer
 from architectures.ddp import DDP
 from failbench_ray.errors import RecoveryError
+from failbench_ray.replication import pack
 from failbench_ray.spec import ExperimentSpec, parse_spec
 from injector.chaos import Chaos
 from mechanisms import checkpoint_io as io
@@ -29,7 +33,6 @@ from mechanisms import sources
 from mechanisms.base import FailureContext, HookContext, NoParams, RestoreInstruction
 from mechanisms.disk_ckpt import DiskCkpt, DiskCkptHooks, DiskCkptParams
 from mechanisms.none import NoFT
-from mechanisms.replication import pack
 
 
 def ddp_layout(world_size: int) -> StateLayout:
@@ -254,6 +257,30 @@ def test_a_packed_header_loads_no_foreign_class(tmp_path: Path) -> None:
     save_packed({"w": torch.ones(3), "bad": Path("/etc")}, path)
     with pytest.raises(pickle.UnpicklingError, match="may not hold pathlib"):
         io.load(path)
+
+
+def test_a_checkpoint_written_before_the_backend_moved_still_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Files written while the backend was `mechanisms.replication` name that module for the
+    slots in their header; they load as they did then."""
+
+    @dataclasses.dataclass(frozen=True)
+    class _Slot:  # the old module's slot, as pickle names it
+        index: int
+
+    old = types.ModuleType("mechanisms.replication")
+    _Slot.__module__, _Slot.__qualname__ = old.__name__, "_Slot"
+    old._Slot = _Slot  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, old.__name__, old)
+    packed = pack({"w": torch.arange(6.0), "step": 5})
+    packed.skeleton["w"] = _Slot(packed.skeleton["w"].index)
+    path = io.shard_path(tmp_path, 5, 0)
+    io.save_packed_atomic(packed, path)
+    assert b"mechanisms.replication" in path.read_bytes()
+    monkeypatch.delitem(sys.modules, old.__name__)
+    state, _, _ = io.load(path)
+    assert torch.equal(state["w"], torch.arange(6.0)) and state["step"] == 5
 
 
 @WRITERS

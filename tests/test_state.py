@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from architectures import state
-from mechanisms.replication import Packed, pack, unpack
+from failbench_ray.replication import Packed, pack, unpack
 
 
 def _snapshot() -> Packed:
