@@ -23,6 +23,7 @@ import ray
 
 from bench.common import ddp_spec, with_status
 from failbench_ray import telemetry
+from failbench_ray.comm import rendezvous_store
 
 if TYPE_CHECKING:
     from bench.common import BenchConfig, Env
@@ -52,7 +53,6 @@ def _set_recording(worker: Any, on: bool) -> None:
 def ab_in_one_run(tmp: Path, blocks: int, block_steps: int) -> dict[str, list[float]]:
     """Mean step time (over ranks and steps) of each block, by recording on/off: the same four
     DDP workers, one process group, blocks alternating ABBA."""
-    import torch.distributed as dist
 
     from failbench_ray.spec import parse_spec
     from failbench_ray.worker import JoinInfo, WorkerActor
@@ -63,7 +63,7 @@ def ab_in_one_run(tmp: Path, blocks: int, block_steps: int) -> dict[str, list[fl
     spec = parse_spec(ddp_spec("bench-metrics-ab", "none", steps=steps))
     data = spec.model_dump(mode="json")
     tags = telemetry.run_tags("bench-ab", "trial0", "ddp", "none")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = rendezvous_store("127.0.0.1")
     ranks = list(range(spec.world_size))
     placement = choose_placement(spec.world_size, ray.cluster_resources())  # as the runner does
     workers = [

@@ -1,10 +1,10 @@
 """The reference the harness's overhead is measured against: a plain torch DDP loop.
 
-Same model, data split, optimizer and threads per process as the harness's `ddp` architecture,
-but no Ray, no comm hook, no abort handle: processes started by `torch.multiprocessing`
-(spawn), gloo rendezvous over `tcp://127.0.0.1:PORT`, `DistributedDataParallel(model)` with its
-defaults. Each step is timed the way the harness times it (`failbench_ray/worker.py`: wall time
-of data + forward + backward + optimizer step on one rank; `results.step_durations`: the slowest
+Same model, data split, optimizer and threads per process as the harness's `ddp` architecture, but
+no Ray, no comm hook, no abort handle: processes started by `torch.multiprocessing` (spawn), gloo
+rendezvous on a store rank 0 hosts on 127.0.0.1, `DistributedDataParallel(model)` with its
+defaults. Each step is timed the way the harness times it (`failbench_ray/worker.py`: wall time of
+data + forward + backward + optimizer step on one rank; `results.step_durations`: the slowest
 rank's per step; `results.steady_state_steps`: the first `warmup_steps` left out; median).
 
 No Ray import here: spawned children import this module (and `bench.run`, the main module).
@@ -49,9 +49,14 @@ def _rank_main(rank: int, world: int, port: int, spec_json: str, out_dir: str) -
     """One rank of the plain loop; writes [(step, t_start, t_end)] to out_dir/rank{rank}.json."""
     spec = ExperimentSpec.model_validate_json(spec_json)
     torch.set_num_threads(spec.threads_per_worker)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    # Rank 0 hosts the rendezvous on 127.0.0.1 only (torch's own server would listen on
+    # every interface, and the bench checks that nothing of it does).
+    if rank == 0:
+        sock = socket.create_server(("127.0.0.1", port))
+        store = dist.TCPStore("127.0.0.1", port, world, True, master_listen_fd=sock.detach())
+    else:
+        store = dist.TCPStore("127.0.0.1", port, world, False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     module = build_model(spec.model, spec.seed)
     model = DistributedDataParallel(module)
     optimizer = build_optimizer(spec.optimizer, module.parameters())

@@ -58,6 +58,7 @@ QUICKSTART = REPO / "examples" / "quickstart.yaml"
 
 DETECTION_GOAL_S = 0.050
 QUIESCE_GOAL_S = 0.200
+LOOPBACK_GOAL = "no process the bench started listens beyond 127.0.0.1 (sampled every 1 s)"
 OVERHEAD_GOAL_RATIO = 1.10
 MAKE_RUN_GOAL_S = 180.0
 
@@ -279,7 +280,7 @@ def goal_overhead(tmp: Path, cfg: BenchConfig) -> dict[str, Any]:
             "threads_per_process": 1,
             "step_time": "wall time of data + zero_grad + forward + backward + optimizer step "
             "on each rank; slowest rank per step; median over the steady-state steps",
-            "plain": "torch.multiprocessing spawn, gloo via tcp://127.0.0.1:PORT, "
+            "plain": "torch.multiprocessing spawn, gloo rendezvous on 127.0.0.1:PORT, "
             "DistributedDataParallel(model) with default settings",
         },
     }
@@ -379,6 +380,35 @@ SHORT = {
 _Line = Callable[[str, str], None]  # appends a goal's own line to the summary
 
 
+def loopback_goal(watch: Any) -> dict[str, Any]:
+    """Issue 15: nothing the bench started listened beyond 127.0.0.1 while it ran."""
+    wide = [str(x) for x in watch.wide]
+    return {
+        "goal": LOOPBACK_GOAL,
+        "met": watch.samples > 0 and not wide,
+        "status": "met" if watch.samples > 0 and not wide else "not met",
+        "measured": {
+            "samples": watch.samples,
+            "listening_sockets_seen": len(watch.seen),
+            "processes_seen_listening": sorted(watch.processes),
+            "beyond_loopback": wide,
+        },
+    }
+
+
+def _loopback_line(g: dict[str, Any], line: _Line) -> None:
+    if "loopback" in g:
+        m = g["loopback"]["measured"]
+        wide = m["beyond_loopback"]
+        line(
+            "loopback",
+            f"{m['listening_sockets_seen']} listening sockets of "
+            f"{len(m['processes_seen_listening'])} kinds of process in {m['samples']} samples; "
+            + (f"beyond loopback: {'; '.join(wide[:4])}" if wide else "all on loopback")
+            + " (goal: none beyond 127.0.0.1)",
+        )
+
+
 def summary_lines(report: dict[str, Any]) -> list[str]:
     m, g = report["machine"], report["goals"]
     lines = [
@@ -401,6 +431,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     _make_run_line(g, line)
     lines += mechanism_lines(g, line)
     _architecture_lines(g, line, lines)
+    _loopback_line(g, line)
     return lines
 
 
@@ -793,14 +824,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     only = {g.strip() for g in args.only.split(",")} if args.only else None
-    import failbench_ray  # noqa: F401  (sets the loopback-only Ray environment before Ray loads)
+    from failbench_ray.network import ListenWatch
 
     cfg = BenchConfig.make(args.quick)
     started = datetime.now(timezone.utc)
     t0 = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="failbench-bench-"))
     try:
-        goals = run_bench(cfg, tmp, only)
+        # Everything the bench starts (its Ray cluster, `failbench` subprocesses and theirs)
+        # is below this process: what any of it listens on is sampled all along.
+        with ListenWatch(every_s=1.0) as watch:
+            goals = run_bench(cfg, tmp, only)
+        goals["loopback"] = loopback_goal(watch)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     report = {

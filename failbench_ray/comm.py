@@ -11,6 +11,7 @@ dropping its last reference runs a destructor that waits out the stale collectiv
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -19,6 +20,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from failbench_ray import network
 
 
 class CollectiveAborted(RuntimeError):
@@ -200,6 +203,30 @@ class CanonicalAllReduceHook:
         return self.handle.watch(work, buf, scatter_back)
 
 
+def rendezvous_store(host: str) -> dist.TCPStore:
+    """The driver's rendezvous store, listening on `host` only: 127.0.0.1 for a local
+    cluster, the node's cluster address when joined to a multi-node one (where the workers
+    reach it). torch's own server would listen on every interface, unauthenticated, so a
+    stranger could write keys into a re-formation; it takes a socket bound here instead."""
+    sock = network.listen_socket(host)
+    port = sock.getsockname()[1]
+    # The store owns the descriptor from here on (it closes it when it is destroyed).
+    return dist.TCPStore(
+        host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach()
+    )
+
+
+def listen_on_interface_of(ip: str) -> None:
+    """gloo (and NCCL's bootstrap) listen on the interface that carries `ip`, this node's
+    cluster address (loopback on a local cluster), instead of whatever the machine's hostname
+    resolves to. An interface the user chose (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME) stays."""
+    interface = network.interface_of(ip)
+    if interface is None:
+        return
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        os.environ.setdefault(var, interface)
+
+
 class Generations:
     """Joins a worker to generation after generation of the default process group."""
 
@@ -218,9 +245,11 @@ class Generations:
         backend: str,
         timeout_s: float,
         rendezvous_timeout_s: float,
+        own_ip: str,
     ) -> dist.ProcessGroup:
         self.leave()
         if self._client is None:
+            listen_on_interface_of(own_ip)
             self._client = dist.TCPStore(
                 store_host,
                 store_port,

@@ -119,6 +119,14 @@ class DatabaseError(FailBenchError):
     http_status = 503
 
 
+class ClusterError(FailBenchError):
+    """The Ray cluster cannot be used as started or configured; the message says what to
+    change (e.g. a local cluster that would listen beyond loopback)."""
+
+    exit_code = 2
+    http_status = 503
+
+
 class RecoveryError(FailBenchError):
     """Recovery could not complete (e.g. every holder of the needed state is gone)."""
 

@@ -245,6 +245,7 @@ class Worker(HoldsCopies, Reusable):
             backend=info.backend,
             timeout_s=self.spec.pg_timeout_s,
             rendezvous_timeout_s=self.spec.reform_timeout_s,
+            own_ip=ray.util.get_node_ip_address(),
         )
         ctx = WorkerContext(
             spec=self.spec,

@@ -12,8 +12,6 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.exc import OperationalError
 
-import failbench_ray  # noqa: F401  (sets the loopback-only Ray setting before Ray is imported)
-
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 
 

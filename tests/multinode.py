@@ -15,8 +15,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import failbench_ray  # noqa: F401  (the loopback-only Ray setting, before Ray is imported)
-
 NODES = 3
 CPUS_PER_NODE = 2
 # Notice a dead node in about 8 s instead of Ray's default of about 15. (2 s was too eager:
@@ -60,16 +58,24 @@ def _chaos_nodes() -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    import ray
     from ray.cluster_utils import Cluster
+
+    from failbench_ray.runtime import loopback_only
+
+    out = Path(argv[0])
+    local = {"node_ip_address": "127.0.0.1", "include_dashboard": False}
+    with loopback_only():  # every node this process starts, replacements included
+        return _run(Cluster, out, local, argv[1:])
+
+
+def _run(cluster_cls: Any, out: Path, local: dict[str, Any], specs: list[str]) -> int:
+    import ray
 
     from failbench_ray.runner import run_experiment
     from failbench_ray.spec import load_spec
     from failbench_ray.storage.db import Database
 
-    out = Path(argv[0])
-    local = {"node_ip_address": "127.0.0.1", "include_dashboard": False}
-    cluster = Cluster(
+    cluster = cluster_cls(
         initialize_head=True,
         head_node_args={**local, "num_cpus": 0, "_system_config": HEALTH},
     )
@@ -79,7 +85,7 @@ def main(argv: list[str]) -> int:
         ray.init(address=cluster.address, configure_logging=False, log_to_driver=False)
         _wait_alive(NODES + 1)
         db = Database(f"sqlite:///{out / 'multinode.db'}")
-        for path in argv[1:]:
+        for path in specs:
             result = run_experiment(load_spec(path), db=db, out_dir=out / "runs")
             nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
             line = {"result": result.model_dump(mode="json"), "alive": nodes}

@@ -19,6 +19,7 @@ CASES = [
     (e.IdempotencyConflict("key names another spec"), 1, 409),
     (e.InvalidTransition("cannot cancel a completed experiment"), 1, 409),
     (e.DatabaseError("cannot open the database"), 2, 503),
+    (e.ClusterError("the local Ray cluster advertises 192.0.2.2"), 2, 503),
     (e.RecoveryError("every holder died"), 1, 500),
     (e.TrialInterrupted("cancelled"), 130, 500),
 ]

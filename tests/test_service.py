@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
+from failbench_ray import network
 from failbench_ray.spec import parse_spec
 from failbench_ray.storage import queue, repo
 from failbench_ray.storage.db import Database
@@ -72,9 +73,14 @@ def test_a_served_experiment_runs_and_reads_like_the_cli(tmp_path: Path) -> None
     srv = Server(tmp_path, url, dispatchers=1)
     try:
         srv.wait_up()
-        with srv.client() as api:
+        # Issue 15: what the service and its Ray cluster listen on, while the experiment runs
+        with srv.client() as api, network.ListenWatch(root=srv.pid, every_s=0.3) as watch:
             exp_id = api.post("/v1/experiments", json=FAULTY).json()["id"]
             body = wait_status(api, exp_id, {"completed", "failed"})
+        assert {"raylet", "gcs_server"} <= watch.processes, watch.processes
+        assert any(p.startswith("ray::") for p in watch.processes), watch.processes
+        assert not watch.wide, "listening beyond loopback:\n" + "\n".join(map(str, watch.wide))
+        with srv.client() as api:
             assert body["status"] == "completed", body
             result = body["result"]
             trial = result["trials"][0]

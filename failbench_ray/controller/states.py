@@ -20,8 +20,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch.distributed as dist
-
+from failbench_ray.comm import rendezvous_store
 from failbench_ray.controller.final_check import check
 from failbench_ray.controller.trial import Trial
 from failbench_ray.errors import RecoveryError
@@ -55,7 +54,7 @@ class Starting(TrialState):
 
     def run(self, t: Trial) -> TrialState:
         s = t.setup
-        t.store = dist.TCPStore(s.store_host, 0, is_master=True, wait_for_workers=False)
+        t.store = rendezvous_store(s.store_host)
         chaos = t.chaos.start()
         t.group = WorkerGroup(t.spec, s.run_dir, chaos, s.placement, s.label, s.tags, s.pool)
         t.group.check_stop = t.check_stop
