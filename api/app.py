@@ -8,12 +8,15 @@ CLI's own spec models, so a file that `failbench run` accepts is a body this API
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request, status
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 
@@ -25,6 +28,8 @@ from api.routers import experiments, service, sweeps
 from api.settings import Settings
 from failbench_ray.errors import DatabaseError, FailBenchError
 from failbench_ray.storage.db import Database
+
+log = logging.getLogger("failbench.api")
 
 API_VERSION = "v1"
 
@@ -58,10 +63,28 @@ async def _ours(request: Request, err: Exception) -> JSONResponse:
     return JSONResponse({"detail": str(err)}, err.http_status)
 
 
+async def _invalid(_: Request, err: Exception) -> JSONResponse:
+    # FastAPI's own handler renders the input it echoes with plain JSON, which has no NaN:
+    # `{"world_size": NaN}` became a 500. Same shape, rendered finite.
+    # A container is not echoed back: it may be the whole body, or nested hundreds deep.
+    assert isinstance(err, RequestValidationError)
+    errors = [
+        {**e, "input": type(e["input"]).__name__} if isinstance(e.get("input"), dict | list) else e
+        for e in err.errors()
+    ]
+    return FiniteJSONResponse(
+        {"detail": jsonable_encoder(errors)}, status.HTTP_422_UNPROCESSABLE_CONTENT
+    )
+
+
 async def _database_down(_: Request, err: Exception) -> JSONResponse:
+    # The driver's message names the database's host, port and name: the operator's log has
+    # it, an unauthenticated reader does not.
+    log.warning("database unavailable: %s", str(err).splitlines()[0] if str(err) else err)
     return JSONResponse(
-        {"detail": f"the database is unavailable: {str(err).splitlines()[0]}"},
+        {"detail": "the database is unavailable; retry shortly"},
         status.HTTP_503_SERVICE_UNAVAILABLE,
+        headers={"Retry-After": "2"},
     )
 
 
@@ -81,6 +104,7 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(Timed, metrics=metrics)
     app.add_exception_handler(FailBenchError, _ours)
+    app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(OperationalError, _database_down)
     for router in (experiments.router, sweeps.router, service.router):
         app.include_router(router)

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import HTTPException, Response, status
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+from pydantic_core import PydanticSerializationError
 
 from api.settings import Settings
 from failbench_ray.checks import resolve
@@ -41,7 +42,11 @@ def _finite_json(obj: Any) -> Any:
 
 class FiniteJSONResponse(JSONResponse):
     def render(self, content: Any) -> bytes:
-        return json.dumps(_finite_json(content), ensure_ascii=False, separators=(",", ":")).encode()
+        content = _finite_json(content)
+        try:
+            return json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode()
+        except UnicodeEncodeError:  # a lone surrogate echoed back: \\u escapes are valid JSON
+            return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
 
 
 _ID = re.compile(r"[0-9a-f]{1,32}")
@@ -69,6 +74,13 @@ def check_caps(spec: ExperimentSpec, settings: Settings) -> None:
         ("world_size", spec.world_size, settings.max_world_size, "max_world_size"),
         ("steps", spec.steps, settings.max_steps, "max_steps"),
         ("trials", spec.trials, settings.max_trials, "max_trials"),
+        ("batch_size", spec.batch_size, settings.max_batch_size, "max_batch_size"),
+        (
+            "threads_per_worker",
+            spec.threads_per_worker,
+            settings.max_threads_per_worker,
+            "max_threads_per_worker",
+        ),
         ("model", state_mb, settings.max_state_mb, "max_state_mb"),
     ]:
         if value > cap:
@@ -81,8 +93,15 @@ def check_caps(spec: ExperimentSpec, settings: Settings) -> None:
 
 
 def no_nul(model: BaseModel) -> None:
-    # PostgreSQL text cannot hold NUL: refuse it here rather than fail in the database
-    if "\\u0000" in model.model_dump_json():
+    """Strings a database can store: PostgreSQL text cannot hold NUL, and no database (nor
+    UTF-8) a lone UTF-16 surrogate. Refused here rather than failing in the database."""
+    try:
+        text = model.model_dump_json()
+    except PydanticSerializationError:
+        raise unprocessable(
+            ["body"], "strings in a spec may not contain lone UTF-16 surrogates (\\ud800-\\udfff)"
+        ) from None
+    if "\\u0000" in text:
         raise unprocessable(["body"], "strings in a spec may not contain NUL (\\u0000)")
 
 

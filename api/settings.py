@@ -22,6 +22,10 @@ class Settings(BaseSettings):
     max_state_mb: float = Field(
         4096.0, gt=0, description="Largest model + Adam state per replica of a spec, in MB."
     )
+    max_batch_size: int = Field(65_536, ge=1, description="Largest batch_size of a spec.")
+    max_threads_per_worker: int = Field(
+        16, ge=1, description="Largest threads_per_worker of a submitted spec."
+    )
     max_sweep_cells: int = Field(1000, ge=1, description="Largest grid of a submitted sweep.")
     threads: int = Field(
         8,

@@ -558,6 +558,8 @@ def _recommend(args: argparse.Namespace) -> int:
     for i, r in enumerate(answer["ranking"], 1):
         sim = r["simulated"]
         checked = f" (simulated {100 * sim['ratio']:.1f}%)" if sim else ""
+        if sim and sim.get("cut_short"):
+            checked += f" [{sim['cut_short']}/{sim['runs']} simulated runs cut short]"
         out.print(f"{i}. {r['mechanism']:<14} {r['why']}{checked}")
     for r in answer["not_applicable"]:
         out.print(f"-  {r['mechanism']:<14} not applicable: {r['reason']}")

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from failbench_ray.errors import UsageError
 from failbench_ray.reliability import Profile, expected_ratio, interval, no_checkpoint_ratio
-from failbench_ray.simulator import Failures, simulate_many
+from failbench_ray.simulator import FAILURE_BUDGET, Failures, summarize
 
 GB = 1 << 30
 
@@ -62,17 +62,25 @@ PRESETS: dict[str, Preset] = {
 
 
 class Question(BaseModel):
-    """What `recommend` is asked (the CLI's flags, the API's query)."""
+    """What `recommend` is asked (the CLI's flags, the API's query). Every number that sizes
+    the work is bounded, so no question costs more than `FAILURE_BUDGET` simulated failures
+    per mechanism."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     architecture: str
-    state_gb: float = Field(gt=0, description="Training state (model + optimizer) in GB.")
-    world: int = Field(description="Workers (ranks).")
-    mtbf_hours: float | None = Field(None, description="One worker's MTBF, hours.")
+    state_gb: float = Field(
+        gt=0, le=1_000_000, description="Training state (model + optimizer) in GB."
+    )
+    world: int = Field(ge=1, le=1_048_576, description="Workers (ranks).")
+    mtbf_hours: float | None = Field(
+        None, le=10_000_000, description="One worker's MTBF, hours (positive: `_check`)."
+    )
     preset: str | None = None
-    step_s: float = Field(1.0, gt=0, description="Time of one training step, seconds.")
-    job_days: float = Field(30.0, gt=0, description="Failure-free length of the job, days.")
+    step_s: float = Field(1.0, gt=0, le=86_400, description="Time of one training step, seconds.")
+    job_days: float = Field(
+        30.0, gt=0, le=3_650, description="Failure-free length of the job, days."
+    )
     correlated: float = Field(
         0.01, ge=0, le=1, description="Share of failures that also take other nodes' memory."
     )
@@ -279,11 +287,22 @@ def _ranked(q: Question, p: Profile, job_s: float, job_mtbf_s: float) -> dict[st
         ratio = no_checkpoint_ratio(job_s, p.restart_s, job_mtbf_s)
     else:
         ratio = expected_ratio(p, job_mtbf_s)
-    sim = None
+    sim: dict[str, Any] | None = None
     if q.simulate_runs and (p.mechanism != "none" or job_s / job_mtbf_s < 20):
         failures = Failures(job_mtbf_s)
-        mean, half = simulate_many(p, failures, job_s, q.world, runs=q.simulate_runs)
-        sim = {"ratio": mean, "ci95": half, "runs": q.simulate_runs}
+        got = summarize(p, failures, job_s, q.world, runs=q.simulate_runs)
+        sim = {
+            "ratio": got.ratio,
+            "ci95": got.ci95,
+            "runs": got.runs,
+            "cut_short": got.cut_short,
+        }
+        if got.cut_short:
+            sim["note"] = (
+                f"{got.cut_short} of {got.runs} runs stopped after their share of "
+                f"{FAILURE_BUDGET:,} failures before the job was done: failures come about as "
+                "fast as the job progresses, and the ratio is that of the time simulated"
+            )
     return {
         "mechanism": p.mechanism,
         "expected_ratio": ratio,

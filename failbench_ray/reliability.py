@@ -39,6 +39,10 @@ class Profile:
         return self.save_s > 0
 
 
+# exp() of more overflows a float; the ratios it would give are below 1e-300 anyway
+_EXP_LIMIT = 700.0
+
+
 def daly_interval(save_s: float, mtbf_s: float) -> float:
     """Daly's optimum time between saves (work between two checkpoints)."""
     if save_s <= 0:
@@ -62,6 +66,8 @@ def periodic_ratio(tau: float, save_s: float, restart_s: float, mtbf_s: float) -
     restart of `restart_s` after each failure, for exponential failures of mean `mtbf_s`
     (Daly 2006, eq. 7: T_wall = M e^{R/M} (e^{(tau+delta)/M} - 1) T_s / tau)."""
     m = mtbf_s
+    if max(restart_s, tau + save_s) / m > _EXP_LIMIT:
+        return 0.0  # a restart or a segment thousands of MTBFs long: no work gets through
     wall_per_segment = m * math.exp(restart_s / m) * math.expm1((tau + save_s) / m)
     return tau / wall_per_segment
 
@@ -70,6 +76,8 @@ def event_ratio(lost_s: float, restart_s: float, mtbf_s: float) -> float:
     """Useful / wall time when each failure costs `restart_s` of downtime (restarted if a
     failure strikes during it) and `lost_s` of work, with no periodic cost."""
     m = mtbf_s
+    if restart_s / m > _EXP_LIMIT:
+        return 0.0  # a recovery hundreds of MTBFs long: it practically never gets through
     recovery = m * math.expm1(restart_s / m)  # expected time to get one recovery through
     return max(0.0, m - lost_s) / (m + recovery)
 

@@ -35,6 +35,12 @@ class Failures:
         return rng.weibullvariate(scale, self.shape)
 
 
+# Failures one run plays at most. Where failures come faster than the job progresses (a
+# recovery longer than the time between failures) it would never end; a run cut short reports
+# the useful share of the time it simulated, and says so (`finished`).
+MAX_FAILURES = 20_000
+
+
 @dataclass(frozen=True)
 class SimResult:
     ratio: float  # useful work / wall time
@@ -42,17 +48,29 @@ class SimResult:
     failures: int
     fallbacks: int  # failures that also took the copies
     cascades: int  # failures during a recovery
+    work_s: float = 0.0  # work done (job_s unless cut short)
+    finished: bool = True  # False: stopped after `max_failures` before the job was done
 
 
-def simulate(p: Profile, failures: Failures, job_s: float, world: int, seed: int = 0) -> SimResult:
-    """One run of a job of `job_s` seconds of work on `world` workers."""
+def simulate(
+    p: Profile,
+    failures: Failures,
+    job_s: float,
+    world: int,
+    seed: int = 0,
+    max_failures: int = MAX_FAILURES,
+) -> SimResult:
+    """One run of a job of `job_s` seconds of work on `world` workers (at most `max_failures`
+    failures of it)."""
     sim = _Sim.start(p, failures, job_s, world, seed)
-    while sim.work < job_s:
+    sim.max_failures = max_failures
+    while sim.work < job_s and sim.n_fail < max_failures:
         sim.skip_cycles()
         if sim.advance():  # a failure at sim.t: roll back, then recover
             sim.fail()
-    t = sim.t
-    return SimResult(job_s / t if t > 0 else 1.0, t, sim.n_fail, sim.n_fb, sim.n_cascade)
+    t, work = sim.t, min(sim.work, job_s)
+    ratio = work / t if t > 0 else 1.0
+    return SimResult(ratio, t, sim.n_fail, sim.n_fb, sim.n_cascade, work, work >= job_s)
 
 
 @dataclass
@@ -80,6 +98,7 @@ class _Sim:
     n_fail: int = 0
     n_fb: int = 0
     n_cascade: int = 0
+    max_failures: int = MAX_FAILURES  # a recovery that never gets through stops here too
 
     @classmethod
     def start(cls, p: Profile, failures: Failures, job_s: float, world: int, seed: int) -> _Sim:
@@ -172,6 +191,8 @@ class _Sim:
             self.t = self.next_fail  # a cascading failure during the recovery
             self.n_fail += 1
             self.n_cascade += 1
+            if self.n_fail >= self.max_failures:
+                return  # the run ends here, mid-recovery (cut short)
             took_copies = took_copies or rng.random() < self.q
         # what was restored is where the next failure rolls back to, until the next save
         self.saved = [(w, r) for w, r in self.saved if w < self.work][-3:] + [(self.work, self.t)]
@@ -214,13 +235,40 @@ def _progress_at(
     return work + (t_end - t) / rate
 
 
+@dataclass(frozen=True)
+class SimSummary:
+    ratio: float  # total work over total wall time of the runs
+    ci95: float  # half-width of its 95% bootstrap interval
+    runs: int
+    cut_short: int  # runs stopped after their failure budget, before the job was done
+
+
+# Failures all the runs of one `simulate_many` play at most, shared out among them: what one
+# question to `recommend` may cost, whatever it asks.
+FAILURE_BUDGET = 20_000
+
+
+def summarize(
+    p: Profile, failures: Failures, job_s: float, world: int, runs: int = 20, seed: int = 0
+) -> SimSummary:
+    """`runs` seeded runs: useful / wall time (total work over total wall time, which is what
+    the formulas give), its 95% bootstrap interval, and how many runs were cut short."""
+    each = max(1, FAILURE_BUDGET // max(runs, 1))
+    got = [simulate(p, failures, job_s, world, seed + i, each) for i in range(runs)]
+    pairs = [(r.work_s, r.wall_s) for r in got]
+
+    def ratio(sample: list[tuple[float, float]]) -> float:
+        return sum(w for w, _ in sample) / sum(t for _, t in sample)
+
+    rng = random.Random(seed)
+    boot = sorted(ratio([rng.choice(pairs) for _ in pairs]) for _ in range(200))
+    cut = sum(not r.finished for r in got)
+    return SimSummary(ratio(pairs), (boot[194] - boot[4]) / 2, runs, cut)
+
+
 def simulate_many(
     p: Profile, failures: Failures, job_s: float, world: int, runs: int = 20, seed: int = 0
 ) -> tuple[float, float]:
-    """Useful / wall time over `runs` seeded runs (total work over total wall time, which is
-    what the formulas give), and the half-width of its 95% bootstrap interval."""
-    walls = [simulate(p, failures, job_s, world, seed + i).wall_s for i in range(runs)]
-    ratio = job_s * runs / sum(walls)
-    rng = random.Random(seed)
-    boot = sorted(job_s * runs / sum(rng.choice(walls) for _ in walls) for _ in range(200))
-    return ratio, (boot[194] - boot[4]) / 2
+    """`summarize`'s ratio and the half-width of its 95% interval."""
+    s = summarize(p, failures, job_s, world, runs, seed)
+    return s.ratio, s.ci95

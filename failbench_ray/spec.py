@@ -7,18 +7,47 @@ parameters, a mechanism's applicability, a trace's shape) live in `failbench_ray
 from __future__ import annotations
 
 import json
+import math
 from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from failbench_ray.errors import SpecError
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No NaN or infinity anywhere: JSON has none (PostgreSQL refuses them), and no count or
+    # timeout means anything at either.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+DAY_S = 86_400.0
+PARAMS_DEPTH = 8  # how deep a part's `params` may nest (a mechanism's are 1-2 levels)
+
+
+def _plain_params(value: Any, depth: int = 0) -> None:
+    """A part's `params` are validated by its own model later; until then they must at least
+    be JSON a database can store: finite numbers, nesting of bounded depth."""
+    if depth > PARAMS_DEPTH:
+        raise ValueError(f"params nest more than {PARAMS_DEPTH} levels deep")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"params hold {value!r}: numbers must be finite")
+    if isinstance(value, dict):
+        for v in value.values():
+            _plain_params(v, depth + 1)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            _plain_params(v, depth + 1)
 
 
 class ModelSpec(_Strict):
@@ -64,6 +93,12 @@ class PartSpec(_Strict):
     def _from_string(cls, data: Any) -> Any:
         # `architecture: ddp` is shorthand for `architecture: {name: ddp}`.
         return {"name": data} if isinstance(data, str) else data
+
+    @field_validator("params")
+    @classmethod
+    def _storable(cls, params: dict[str, Any]) -> dict[str, Any]:
+        _plain_params(params)
+        return params
 
 
 # Recovery phases a cascading failure can be triggered by (the kill lands as the phase starts).
@@ -179,20 +214,26 @@ class ExperimentSpec(_Strict):
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     steps: int = Field(60, ge=1, description="Optimizer steps per trial.")
     batch_size: int = Field(
-        64, ge=1, description="Global batch size (split over data-parallel ranks)."
+        64, ge=1, le=2**31 - 1, description="Global batch size (split over data-parallel ranks)."
     )
     trials: int = Field(1, ge=1, description="Trials of the faulty run.")
-    seed: int = Field(0, ge=0, description="Seeds the model init and the synthetic data.")
+    seed: int = Field(
+        0, ge=0, le=2**32 - 1, description="Seeds the model init and the synthetic data."
+    )
     mechanism: PartSpec = Field(
         default_factory=lambda: PartSpec(name="none"), description="Fault-tolerance mechanism."
     )
     failures: FailureTrace = Field(default_factory=FailureTrace)
     pg_timeout_s: float = Field(
-        1800.0, gt=0, description="Process-group (collective) timeout; torch's default is 30 min."
+        1800.0,
+        gt=0,
+        le=DAY_S,
+        description="Process-group (collective) timeout; torch's default is 30 min.",
     )
     stall_timeout_s: float | None = Field(
         None,
         gt=0,
+        le=DAY_S,
         description="Fail a trial when no rank completes a step for this long while training "
         "(a hang, not a failure). Default: pg_timeout_s + 60 s.",
     )
@@ -203,11 +244,18 @@ class ExperimentSpec(_Strict):
     )
     warmup_steps: int = Field(3, ge=0, description="Steps per generation left out of steady state.")
     baseline: bool = Field(True, description="Run the matched no-fault baseline.")
-    max_recoveries: int = Field(8, ge=0, description="Give up a trial after this many recoveries.")
-    reform_timeout_s: float = Field(
-        60.0, gt=0, description="Timeout of the new process group's rendezvous after a failure."
+    max_recoveries: int = Field(
+        8, ge=0, le=10_000, description="Give up a trial after this many recoveries."
     )
-    threads_per_worker: int = Field(1, ge=1, description="torch intra-op threads per worker.")
+    reform_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=DAY_S,
+        description="Timeout of the new process group's rendezvous after a failure.",
+    )
+    threads_per_worker: int = Field(
+        1, ge=1, le=1024, description="torch intra-op threads per worker."
+    )
     placement: Literal["pack", "spread"] = Field(
         "pack",
         description="How ranks are placed across Ray nodes (a placement group, one bundle per "

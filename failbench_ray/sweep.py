@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +91,13 @@ class Grid(BaseModel):
             if not isinstance(values, list) or not values:
                 raise ValueError(f"{field} must be a non-empty list of values, e.g. {field}: [..]")
         return self
+
+    def size(self) -> int:
+        """The number of cells: the product of the axes' lengths, known before the grid is
+        expanded (a service refuses a grid over its cap without building it)."""
+        axes: list[list[Any]] = [self.architecture, self.mechanism, self.failures]
+        lengths = [len(axis) for axis in [*axes, *self.extra_axes().values()]]
+        return math.prod(lengths)
 
     def extra_axes(self) -> dict[str, list[Any]]:
         """The other grid fields, in the order of the experiment spec (stable keys)."""

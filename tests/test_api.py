@@ -17,6 +17,7 @@ import pytest
 
 from tests.conftest import fresh_pg_database
 from tests.service import Server
+from tests.tcpproxy import Proxy
 
 TINY: dict[str, Any] = {
     "architecture": "ddp",
@@ -82,6 +83,9 @@ def test_idempotency_key(api: httpx.Client) -> None:
     assert first.json()["id"] == again.json()["id"] and again.json()["created"] is False
     other = submit(api, {**TINY, "name": "changed"}, **{"Idempotency-Key": "abc-1"})
     assert other.status_code == 409 and "different spec" in other.json()["detail"]
+    empty = submit(api, {**TINY, "name": "idem"}, **{"Idempotency-Key": ""})
+    assert empty.status_code == 422, empty.text
+    assert "idempotency-key" in empty.text.lower() and "at least 1" in empty.text
 
 
 def test_concurrent_retries_with_one_key_make_one_experiment(api: httpx.Client) -> None:
@@ -222,6 +226,24 @@ def test_sweeps(api: httpx.Client) -> None:
     assert bad.status_code == 422
 
 
+def test_a_sweep_over_the_cell_cap_is_refused_before_it_is_expanded(api: httpx.Client) -> None:
+    """A body of a few KB naming 64 million cells: refused from the axes' lengths (expanding
+    it first took seconds and hundreds of MB for 160,000 cells; here it would exhaust memory)."""
+    grid = {
+        "architecture": ["ddp"],
+        "mechanism": ["none"],
+        "failures": ["none"],
+        "seed": list(range(400)),
+        "steps": list(range(1, 401)),
+        "batch_size": list(range(1, 401)),
+    }
+    sweep = {"name": "huge", "base": {"world_size": 2}, "grid": grid}
+    r = api.post("/v1/sweeps", json=sweep)
+    assert r.status_code == 422, r.text
+    assert "64000000 cells is over the cap max_sweep_cells=1000" in r.text
+    assert "FAILBENCH_MAX_SWEEP_CELLS" in r.text
+
+
 def test_registry_health_and_metrics(api: httpx.Client) -> None:
     reg = api.get("/v1/registry").json()
     assert {a["name"] for a in reg["architectures"]} >= {"ddp", "fsdp", "ps", "gossip"}
@@ -286,3 +308,77 @@ def test_recommend_answers_like_the_cli_and_refuses_bad_questions(api: httpx.Cli
     ]:
         r = api.get("/v1/recommend", params=bad)
         assert r.status_code == 422 and says in r.text, r.text
+
+
+@pytest.mark.parametrize(
+    ("body", "where", "says"),
+    [
+        ('"optimizer": {"lr": Infinity}', ["body", "optimizer", "lr"], "finite number"),
+        ('"seed": NaN', ["body", "seed"], "finite number"),
+        ('"name": "\\ud800"', ["body"], "lone UTF-16 surrogates"),
+        (
+            '"mechanism": {"name": "disk_ckpt", "params": ' + '{"a": ' * 300 + "1" + "}" * 301,
+            ["body", "mechanism", "params"],
+            "more than 8 levels deep",
+        ),
+        ('"batch_size": 1000000000000', ["body", "batch_size"], "less than or equal"),
+        ('"threads_per_worker": 1000000', ["body", "threads_per_worker"], "less than or equal"),
+        ('"pg_timeout_s": 1e300', ["body", "pg_timeout_s"], "less than or equal to 86400"),
+        ('"max_recoveries": 1000000000000', ["body", "max_recoveries"], "less than or equal"),
+        ('"batch_size": 100000', ["body", "batch_size"], "max_batch_size=65536"),
+        ('"threads_per_worker": 17', ["body", "threads_per_worker"], "max_threads_per_worker=16"),
+    ],
+    ids=[
+        "inf",
+        "nan",
+        "surrogate",
+        "deep-params",
+        "batch",
+        "threads",
+        "timeout",
+        "recoveries",
+        "batch-cap",
+        "threads-cap",
+    ],  # fmt: skip
+)
+def test_malformed_and_unbounded_values_are_422_not_500(
+    api: httpx.Client, body: str, where: list[str], says: str
+) -> None:
+    """Issue 16: each of these was a 500 (PostgreSQL refused the JSON, a 422 that echoed NaN
+    could not be rendered, a surrogate could not be encoded, deep params overflowed the stack)
+    or was accepted without bound."""
+    spec = json.dumps({k: v for k, v in TINY.items()})[:-1] + ", " + body + "}"
+    r = api.post("/v1/experiments", content=spec, headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    detail = r.json()["detail"]
+    assert any(d["loc"][: len(where)] == where and says in d["msg"] for d in detail), detail
+
+
+@pytest.mark.postgres
+def test_a_database_outage_is_503_naming_nothing_internal(tmp_path: Path) -> None:
+    """Issue 16: the 503 bodies once quoted the driver's error (host, port, database name) to
+    any reader. The database goes away behind a proxy (the shared server keeps running)."""
+    with fresh_pg_database() as url:
+        proxy = Proxy(("127.0.0.1", 5432))
+        name = url.rsplit("/", 1)[1]
+        srv = Server(tmp_path, url.replace(":5432/", f":{proxy.port}/"))
+        try:
+            srv.wait_up()
+            with srv.client() as api:
+                assert api.get("/v1/experiments").status_code == 200
+                proxy.cut()
+                down = [api.get("/v1/experiments"), api.get("/healthz")]
+                proxy.restore()
+                up = api.get("/v1/experiments")
+        finally:
+            srv.stop()
+            proxy.close()
+    assert [r.status_code for r in down] == [503, 503], [r.text for r in down]
+    for r in down:
+        for secret in ("127.0.0.1", "5432", str(proxy.port), name, "postgres"):
+            assert secret not in r.text, (secret, r.text)
+    assert down[0].json()["detail"] == "the database is unavailable; retry shortly"
+    assert down[0].headers["retry-after"] == "2"
+    assert down[1].json()["database"] == "unavailable"
+    assert up.status_code == 200, up.text
+    assert "database unavailable" in srv.output()  # the operator's log has the reason

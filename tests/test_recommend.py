@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from failbench_ray import reliability as rel
 from failbench_ray.recommend import PRESETS, Question, measured_costs, recommend
@@ -219,3 +220,36 @@ def test_recommend_cli_json(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     answer = json.loads(r.stdout)
     assert answer["ranking"] and math.isclose(answer["job_mtbf_hours"], 7.9, rel_tol=1e-6)
+
+
+def test_a_question_whose_failures_outrun_every_recovery_ends_and_says_so() -> None:
+    """Issue 16: job failures every 0.45 s and recoveries of seconds once looped forever (the
+    simulator waited for a job that never finishes). Each run now stops after its share of the
+    failure budget, and the answer says how many were cut short."""
+    answer = recommend(Question(architecture="ddp", state_gb=1, world=8, mtbf_hours=0.001))
+    sims = [r["simulated"] for r in answer["ranking"] if r["simulated"]]
+    assert sims and all(s["cut_short"] == s["runs"] == 20 for s in sims), sims
+    assert all("before the job was done" in s["note"] and 0 <= s["ratio"] < 1 for s in sims)
+    # the largest question allowed is bounded too, formulas included (exp() overflowed)
+    worst = Question(
+        architecture="ddp", state_gb=1e6, world=1_048_576, mtbf_hours=1e-4, simulate_runs=200
+    )
+    assert all(r["expected_ratio"] == 0.0 for r in recommend(worst)["ranking"])
+
+
+def test_a_short_run_of_the_simulator_is_cut_short_not_endless() -> None:
+    slow = rel.Profile("disk_ckpt", save_s=60, restart_s=600)
+    r = simulate(slow, Failures(60.0), MONTH, world=8, max_failures=500)
+    assert (r.finished, r.failures) == (False, 500) and r.work_s < MONTH and 0 <= r.ratio < 0.01
+    done = simulate(DISK, Failures(HOUR), MONTH, world=64, seed=1)
+    assert done.finished and done.work_s == MONTH
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("world", 1_048_577), ("state_gb", float("inf")), ("job_days", 1e9), ("step_s", float("nan"))],
+)
+def test_every_number_that_sizes_the_work_is_bounded(field: str, value: float) -> None:
+    base = {"architecture": "ddp", "state_gb": 1, "world": 8, "mtbf_hours": 1.0}
+    with pytest.raises(ValidationError):
+        Question(**{**base, field: value})

@@ -36,7 +36,8 @@ def submit_experiment(
     spec: ExperimentSpec,
     db: Db,
     settings: Config,
-    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+    # An empty key is refused, not taken as a key every key-less retry would then share.
+    idempotency_key: Annotated[str | None, Header(min_length=1, max_length=200)] = None,
 ) -> Response:
     """Queue an experiment (the same spec as `failbench run` files)."""
     check_runnable(spec, settings, ["body"])

@@ -3,6 +3,7 @@ this database has measured."""
 
 from __future__ import annotations
 
+import logging
 from functools import lru_cache
 from typing import Annotated, Any
 
@@ -17,6 +18,7 @@ from failbench_ray.errors import UsageError
 from failbench_ray.recommend import Question, recommend, stored_results
 from failbench_ray.storage import queue, repo
 
+log = logging.getLogger("failbench.api")
 router = APIRouter(tags=["service"])
 
 
@@ -51,8 +53,10 @@ def healthz(response: Response, db: Db) -> schemas.Health:
             repo.ping(s)
             n = len(queue.dispatchers(s))
     except Exception as err:  # noqa: BLE001  (any failure to reach it is "down")
+        # The reason names the database's host, port and name: for the log, not the reader.
+        log.warning("healthz: database unavailable: %s", str(err).splitlines()[0])
         response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
-        return schemas.Health(status="degraded", database=str(err).splitlines()[0], dispatchers=0)
+        return schemas.Health(status="degraded", database="unavailable", dispatchers=0)
     return schemas.Health(status="ok", database="ok", dispatchers=n)
 
 

@@ -28,17 +28,18 @@ def submit_sweep(sweep: sw.SweepSpec, db: Db, settings: Config) -> schemas.Sweep
     come back with their reasons. Submitting the same sweep again queues only what is not
     already queued, running or done."""
     no_nul(sweep)
+    size = sweep.grid.size()  # sized before it is expanded: a few KB can name millions of cells
+    if size > settings.max_sweep_cells:
+        raise unprocessable(
+            ["body", "grid"],
+            f"{size} cells is over the cap max_sweep_cells={settings.max_sweep_cells} "
+            "(FAILBENCH_MAX_SWEEP_CELLS): split the grid into smaller sweeps",
+            "cap",
+        )
     try:
         cells = sw.expand(sweep)
     except SpecError as err:
         raise unprocessable(["body"], str(err), "spec") from None
-    if len(cells) > settings.max_sweep_cells:
-        raise unprocessable(
-            ["body", "grid"],
-            f"{len(cells)} cells is over the cap max_sweep_cells={settings.max_sweep_cells} "
-            "(FAILBENCH_MAX_SWEEP_CELLS)",
-            "cap",
-        )
     for c in cells:
         if c.spec is not None:
             check_caps(c.spec, settings)
