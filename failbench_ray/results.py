@@ -84,6 +84,18 @@ class ExperimentResult(BaseModel):
     trials: list[TrialResult]
 
 
+def failure_reason(result: ExperimentResult, limit: int = 2000) -> str | None:
+    """Why an experiment failed, for its own row: each failed run's error, by name."""
+    parts = []
+    if result.baseline is not None and result.baseline.status == "failed":
+        parts.append(f"baseline: {getattr(result.baseline, 'error', None) or 'failed'}")
+    parts += [
+        f"trial {t.trial}: {t.error or 'failed'}" for t in result.trials if t.status == "failed"
+    ]
+    text = "; ".join(parts)
+    return (text[: limit - 3] + "...") if len(text) > limit else (text or None)
+
+
 # ---------------------------------------------------------------------------------------------
 # Pure analysis
 

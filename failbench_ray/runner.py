@@ -24,7 +24,7 @@ from failbench_ray.checks import Resolved, resolve
 from failbench_ray.controller import TrialController, TrialOutcome
 from failbench_ray.errors import LeaseLost, TrialInterrupted
 from failbench_ray.pool import WorkerPool, shared_pool
-from failbench_ray.results import ExperimentResult
+from failbench_ray.results import ExperimentResult, failure_reason
 from failbench_ray.runtime import node_ip
 from failbench_ray.spec import ExperimentSpec, FailureTrace, PartSpec
 from failbench_ray.storage import repo
@@ -142,7 +142,9 @@ def _finish(
     with db.session() as s:
         guard(s)
         done = ExperimentStatus.COMPLETED if ok else ExperimentStatus.FAILED
-        repo.set_experiment_status(s, exp_id, done)
+        # a failed experiment says why on its own row, not only on its trials'
+        why = None if ok else failure_reason(repo.load_result(s, exp_id)) or "a run failed"
+        repo.set_experiment_status(s, exp_id, done, error=why)
         result = repo.load_result(s, exp_id)
     exp_dir.mkdir(parents=True, exist_ok=True)
     (exp_dir / "result.json").write_text(json.dumps(result.model_dump(mode="json"), indent=2))

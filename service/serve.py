@@ -4,6 +4,7 @@ only, e.g. on more machines sharing one PostgreSQL queue)."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import threading
@@ -122,6 +123,8 @@ def serve(*, host: str, port: int, cfg: Dispatching) -> int:
 
     settings = Settings(host=host)
     _check_bind(host, settings.api_token is not None)
+    # Read once, here; no process this one starts (Ray's, the workers') needs the token.
+    os.environ.pop("FAILBENCH_API_TOKEN", None)
     sock = _listen(host, port)
     started = False
     db = None

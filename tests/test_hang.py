@@ -14,6 +14,7 @@ import pytest
 
 from failbench_ray.runner import run_experiment
 from failbench_ray.spec import parse_spec
+from failbench_ray.storage import repo
 from failbench_ray.storage.db import Database
 
 
@@ -82,4 +83,12 @@ def test_a_hung_rank_fails_the_trial_with_a_reason_instead_of_holding_it(
     trial = result.trials[0]
     assert (result.status, trial.status) == ("failed", "failed"), trial
     assert trial.error is not None and "no rank completed a step for" in trial.error
+    # the experiment's own row says why too (issue 16: it was empty, the reason only on the trial)
+    db = Database(sqlite_url)
+    try:
+        with db.session() as s:
+            row = repo.get_experiment(s, result.experiment_id)
+            assert row.error is not None and row.error.startswith("trial 0: no rank completed")
+    finally:
+        db.dispose()
     assert "raise stall_timeout_s" in trial.error

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from sqlalchemy import func, select
 
@@ -35,6 +36,13 @@ FAULTY = {
     "mechanism": {"name": "disk_ckpt", "params": {"interval": 4}},
     "failures": {"kind": "single", "rank": 1, "at_step": 7},
 }
+
+
+def _environ(proc: psutil.Process) -> dict[str, str]:
+    try:
+        return proc.environ()
+    except psutil.Error:  # exited meanwhile
+        return {}
 
 
 def actor_processes(session_leader: int) -> list[str]:
@@ -70,17 +78,23 @@ def rows(url: str, exp_id: str) -> tuple[int, int, int]:
 
 def test_a_served_experiment_runs_and_reads_like_the_cli(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'fb.db'}"
-    srv = Server(tmp_path, url, dispatchers=1)
+    token = "served-secret"
+    srv = Server(tmp_path, url, dispatchers=1, env={"FAILBENCH_API_TOKEN": token})
+    auth = {"Authorization": f"Bearer {token}"}
     try:
         srv.wait_up()
         # Issue 15: what the service and its Ray cluster listen on, while the experiment runs
-        with srv.client() as api, network.ListenWatch(root=srv.pid, every_s=0.3) as watch:
+        with srv.client(headers=auth) as api, network.ListenWatch(srv.pid, 0.3) as watch:
             exp_id = api.post("/v1/experiments", json=FAULTY).json()["id"]
             body = wait_status(api, exp_id, {"completed", "failed"})
+            # Issue 16: the token stays in the service; its Ray processes never see it
+            children = network.process_tree(srv.pid)[1:]
+            assert any(p.name() == "raylet" for p in children)
+            assert not [p.pid for p in children if token in str(_environ(p))]
         assert {"raylet", "gcs_server"} <= watch.processes, watch.processes
         assert any(p.startswith("ray::") for p in watch.processes), watch.processes
         assert not watch.wide, "listening beyond loopback:\n" + "\n".join(map(str, watch.wide))
-        with srv.client() as api:
+        with srv.client(headers=auth) as api:
             assert body["status"] == "completed", body
             result = body["result"]
             trial = result["trials"][0]
@@ -100,12 +114,12 @@ def test_a_served_experiment_runs_and_reads_like_the_cli(tmp_path: Path) -> None
         assert shown.returncode == 0, shown.stderr
         assert json.loads(shown.stdout) == result  # the API and the CLI print the same result
         assert rows(url, exp_id)[:2] == (1, 2)  # one attempt: a baseline and one trial
-        _a_served_sweep_keeps_its_status(srv, url)
+        _a_served_sweep_keeps_its_status(srv, url, auth)
     finally:
         srv.stop()
 
 
-def _a_served_sweep_keeps_its_status(srv: Server, url: str) -> None:
+def _a_served_sweep_keeps_its_status(srv: Server, url: str, auth: dict[str, str]) -> None:
     """A sweep through the API goes the way `failbench sweep` goes: its cells share a baseline
     (the second copies the first's), and the dispatcher that runs a cell stores the cell's
     status and the sweep's (they went stale before), with the mapping the API shows."""
@@ -118,7 +132,7 @@ def _a_served_sweep_keeps_its_status(srv: Server, url: str) -> None:
             "failures": ["none"],
         },
     }
-    with srv.client() as api:
+    with srv.client(headers=auth) as api:
         body = api.post("/v1/sweeps", json=sweep).json()
         first, second = (c["experiment_id"] for c in body["experiments"])
         ran = {i: wait_status(api, i, {"completed", "failed"}) for i in (first, second)}
