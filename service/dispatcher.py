@@ -92,10 +92,12 @@ class Dispatcher:
         with self.db.session() as s:
             for moved in queue.requeue_expired(s, self.max_attempts):
                 log.warning("experiment %s: lease expired, moved on", moved)
+            for gone in queue.forget_expired_dispatchers(s):
+                log.warning("dispatcher %s: heartbeat expired, forgotten", gone)
         with self.db.session() as s:
             exp_id = queue.claim(s, self.owner, self.lease_s)
         with self.db.session() as s:
-            queue.heartbeat(s, self.owner, exp_id)
+            queue.heartbeat(s, self.owner, exp_id, lease_s=self.lease_s)
         if exp_id is None:
             return False
         self.run(exp_id)
@@ -182,7 +184,7 @@ class Dispatcher:
         self.runs += 1
         with self.db.session() as s:
             queue.release(s, exp_id, self.owner)
-            queue.heartbeat(s, self.owner, None, ran=1)
+            queue.heartbeat(s, self.owner, None, ran=1, lease_s=self.lease_s)
             if status is not None:
                 _sync_cell(s, exp_id, status)
 
@@ -209,7 +211,7 @@ class Dispatcher:
             try:
                 with self.db.session() as s:
                     got = queue.renew(s, exp_id, self.owner, self.lease_s)
-                    queue.heartbeat(s, self.owner, exp_id)
+                    queue.heartbeat(s, self.owner, exp_id, lease_s=self.lease_s)
             except Exception:  # noqa: BLE001  (the lease outlives a short database outage)
                 log.exception("experiment %s: renewing the lease failed", exp_id)
                 continue

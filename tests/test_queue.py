@@ -9,12 +9,12 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import select, update
 
 from failbench_ray.spec import ExperimentSpec, parse_spec
 from failbench_ray.storage import queue, repo
 from failbench_ray.storage.db import Database
-from failbench_ray.storage.tables import Experiment, Trial, utcnow
+from failbench_ray.storage.tables import Dispatcher, Experiment, Trial, utcnow
 
 
 def spec(**over: Any) -> ExperimentSpec:
@@ -185,3 +185,18 @@ def test_heartbeats(db: Database) -> None:
         assert d.heartbeat_at > d.started_at
         queue.forget_dispatcher(s, d.id)
         assert queue.dispatchers(s) == []
+
+
+def test_a_dispatcher_whose_heartbeat_expired_leaves_the_table(db: Database) -> None:
+    """Issue 16: a dispatcher killed without saying goodbye stayed in the table, counted by
+    /healthz and busy on /metrics, forever."""
+    with db.session() as s:
+        queue.heartbeat(s, "host:1:dead", "e1", lease_s=0.05)
+        queue.heartbeat(s, "host:2:alive", None, lease_s=60)
+    time.sleep(0.1)
+    with db.session() as s:
+        assert [d.id for d in queue.dispatchers(s)] == ["host:2:alive"]
+        assert queue.forget_expired_dispatchers(s) == ["host:1:dead"]
+    with db.session() as s:
+        assert {d.id for d in s.scalars(select(Dispatcher))} == {"host:2:alive"}
+        assert queue.forget_expired_dispatchers(s) == []

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import case, delete, func, select, update
+from sqlalchemy import and_, case, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from failbench_ray.errors import IdempotencyConflict, InvalidTransition
@@ -280,8 +280,15 @@ def new_owner_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
 
 
-def heartbeat(session: Session, owner: str, experiment_id: str | None, *, ran: int = 0) -> None:
-    """Record that dispatcher `owner` is alive (and what it runs)."""
+def heartbeat(
+    session: Session,
+    owner: str,
+    experiment_id: str | None,
+    *,
+    ran: int = 0,
+    lease_s: float = DEFAULT_LEASE_S,
+) -> None:
+    """Record that dispatcher `owner` is alive (and what it runs), for `lease_s` more."""
     now = utcnow()
     row = session.get(Dispatcher, owner)
     if row is None:
@@ -289,13 +296,35 @@ def heartbeat(session: Session, owner: str, experiment_id: str | None, *, ran: i
         row = Dispatcher(id=owner, host=host, pid=pid, started_at=now, heartbeat_at=now, runs=0)
         session.add(row)
     row.heartbeat_at = now
+    row.expires_at = now + timedelta(seconds=lease_s)
     row.experiment_id = experiment_id
     row.runs += ran
     session.flush()
 
 
+def _expired(now: datetime) -> Any:
+    # a row from before expiry was recorded: its heartbeat plus the default lease
+    return or_(
+        Dispatcher.expires_at < now,
+        and_(
+            Dispatcher.expires_at.is_(None),
+            Dispatcher.heartbeat_at < now - timedelta(seconds=DEFAULT_LEASE_S),
+        ),
+    )
+
+
 def dispatchers(session: Session) -> list[Dispatcher]:
-    return list(session.scalars(select(Dispatcher).order_by(Dispatcher.started_at)))
+    """The dispatchers alive now (their heartbeat has not expired)."""
+    stmt = select(Dispatcher).where(~_expired(utcnow())).order_by(Dispatcher.started_at)
+    return list(session.scalars(stmt))
+
+
+def forget_expired_dispatchers(session: Session) -> list[str]:
+    """Delete the dispatchers whose heartbeat expired (killed, or their host is gone)."""
+    gone = list(session.scalars(select(Dispatcher.id).where(_expired(utcnow()))))
+    if gone:
+        session.execute(delete(Dispatcher).where(Dispatcher.id.in_(gone)))
+    return gone
 
 
 def forget_dispatcher(session: Session, owner: str) -> None:

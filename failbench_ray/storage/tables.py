@@ -132,6 +132,9 @@ class Dispatcher(Base):
     heartbeat_at: Mapped[datetime]
     experiment_id: Mapped[str | None] = mapped_column(String(32))
     runs: Mapped[int] = mapped_column(default=0, server_default="0")
+    # Alive until then unless it beats again (heartbeat + its lease): a dispatcher killed
+    # without saying goodbye leaves the table once this passes.
+    expires_at: Mapped[datetime | None] = mapped_column(index=True)
 
 
 class Trial(Base):
