@@ -13,7 +13,7 @@ from pathlib import Path
 
 import ray
 
-from failbench_ray import network
+from failbench_ray import banners, network
 from failbench_ray.errors import ClusterError
 
 log = logging.getLogger("failbench.runtime")
@@ -41,6 +41,7 @@ def connect(
     stays on: `ray get-auth-token` prints the token it asks for)."""
     if ray.is_initialized():
         return False
+    banners.install()  # Ray's crash banners only for deaths we did not cause
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
         ctx = ray.init(address=address, log_to_driver=log_to_driver, configure_logging=False)

@@ -94,6 +94,9 @@ def test_run_json_then_show_reads_the_same_result(tmp_path: Path) -> None:
         "detected_s", "quiesced_s", "reformed_s", "restored_s", "resumed_s", "caught_up_s"
     }  # fmt: skip
     assert "60/60" not in ran.stderr and "16/16" in ran.stderr  # the progress bar, on stderr
+    # the injected kill reads as injected, once, and not as Ray's banner for a real crash
+    assert ran.stderr.count("injected failure 0 detected") == 1, ran.stderr
+    assert "A worker died or was killed" not in ran.stdout + ran.stderr
     shown = failbench("show", result["experiment_id"], "--json", "--db", db, cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout) == result

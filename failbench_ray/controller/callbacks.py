@@ -128,7 +128,7 @@ class LogCallback(TrialCallback):
 
     def after_failure(self, failure: FailureRecord) -> None:
         log.warning(
-            "%s: failure %d detected after %.2f s: rank(s) %s (%s, %s)",
+            "%s: injected failure %d detected after %.2f s: rank(s) %s (%s, %s)",
             self.label,
             failure.index,
             failure.phases["detected"],

@@ -13,6 +13,7 @@ import ray
 import torch.distributed as dist
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from failbench_ray import banners
 from failbench_ray.checks import Resolved
 from failbench_ray.controller.callbacks import TrialCallback
 from failbench_ray.controller.calls import Gathered, RankCalls
@@ -128,7 +129,11 @@ class Trial:
     def detected(self, dead: set[int]) -> None:
         """Record newly dead ranks as failures (from the chaos actor's log)."""
         t_detect = time.time()
-        new = self.timeline.detected(self.chaos.injections(), dead, self.dead, t_detect)
+        injections = self.chaos.injections()
+        new = self.timeline.detected(injections, dead, self.dead, t_detect)
+        # Ray's crash banner for a death we caused would read like a real crash: drop it
+        hit = {r for inj in injections for r in inj.ranks} & (dead - self.dead)
+        banners.injected(self.workers.pids[r] for r in hit if r in self.workers.pids)
         self._recover_records(dead - self.dead)
         self.dead |= dead
         for f in new:
