@@ -56,6 +56,11 @@ def baseline_key(spec: ExperimentSpec) -> str:
     return hashlib.sha256(base.model_dump_json().encode()).hexdigest()
 
 
+# How long a run's writes retry while the database cannot be reached: as long as a service's
+# lease lasts, after which another dispatcher may take the experiment over.
+DB_RETRY_S = 30.0
+
+
 def run_experiment(
     spec: ExperimentSpec,
     *,
@@ -70,6 +75,7 @@ def run_experiment(
     guard: Callable[[Session], None] = lambda session: None,
     cluster_share: float = 1.0,
     reuse_workers: bool = True,
+    db_retry_s: float | None = None,
 ) -> ExperimentResult:
     """Run `spec` on the connected Ray cluster. Raises SpecError before anything starts.
 
@@ -81,6 +87,7 @@ def run_experiment(
     earlier attempt left of it is discarded. `should_stop` returning a reason stops the run
     (every actor) with `TrialInterrupted`, and the caller writes the outcome. `guard(session)`
     runs in every session that writes and raises to refuse the write (a lost lease).
+    `db_retry_s`: how long a write retries while the database is unreachable (DB_RETRY_S).
     `cluster_share`: the fraction of the cluster's CPUs (GPUs) this experiment sizes its
     actors to; N experiments at once each take 1/N, so no two ever wait on each other's
     resources (half-placed groups would deadlock).
@@ -97,6 +104,7 @@ def run_experiment(
     runner = _Runner(db, exp_id, exp_dir, progress, keep_checkpoints, baseline_of)
     runner.should_stop, runner.guard, runner.share = should_stop, guard, cluster_share
     runner.pool = shared_pool() if reuse_workers else None
+    runner.db_retry_s = DB_RETRY_S if db_retry_s is None else db_retry_s
     try:
         ok = runner.run_all(resolved, base)
     except TrialInterrupted:
@@ -112,7 +120,7 @@ def run_experiment(
                 s, exp_id, ExperimentStatus.FAILED, error=f"{type(err).__name__}: {err}"
             )
         raise
-    return _finish(db, exp_id, exp_dir, ok, guard)
+    return _finish(db, exp_id, exp_dir, ok, guard, runner.db_retry_s)
 
 
 def _experiment_row(
@@ -136,16 +144,24 @@ def _experiment_row(
 
 
 def _finish(
-    db: Database, exp_id: str, exp_dir: Path, ok: bool, guard: Callable[[Session], None]
+    db: Database,
+    exp_id: str,
+    exp_dir: Path,
+    ok: bool,
+    guard: Callable[[Session], None],
+    retry_s: float = 0.0,
 ) -> ExperimentResult:
     """Store the experiment's status, and its result beside its files (result.json)."""
-    with db.session() as s:
+
+    def store(s: Session) -> ExperimentResult:
         guard(s)
         done = ExperimentStatus.COMPLETED if ok else ExperimentStatus.FAILED
         # a failed experiment says why on its own row, not only on its trials'
         why = None if ok else failure_reason(repo.load_result(s, exp_id)) or "a run failed"
         repo.set_experiment_status(s, exp_id, done, error=why)
-        result = repo.load_result(s, exp_id)
+        return repo.load_result(s, exp_id)
+
+    result = db.write(store, retry_s=retry_s)
     exp_dir.mkdir(parents=True, exist_ok=True)
     (exp_dir / "result.json").write_text(json.dumps(result.model_dump(mode="json"), indent=2))
     return result
@@ -172,6 +188,7 @@ class _Runner:
         self.progress = progress
         self.keep = keep
         self.baseline: TrialSummary | None = None
+        self.db_retry_s = DB_RETRY_S
 
     def run_all(self, resolved: Resolved, base: Resolved) -> bool:
         spec = resolved.spec
@@ -210,9 +227,13 @@ class _Runner:
         self, resolved: Resolved, kind: str, index: int, placement: Placement, *, inject: bool
     ) -> TrialSummary:
         spec = resolved.spec
-        with self.db.session() as s:
-            self.guard(s)
-            trial_id = repo.create_trial(s, experiment_id=self.exp_id, kind=kind, index=index)
+        trial_id = self.db.write(
+            lambda s: (
+                self.guard(s)
+                or repo.create_trial(s, experiment_id=self.exp_id, kind=kind, index=index)
+            ),
+            retry_s=self.db_retry_s,
+        )
         label = f"{kind}{index}"
         run_dir = self.exp_dir / label
         controller = TrialController(
@@ -280,9 +301,32 @@ class _Runner:
             params_digest=outcome.params_digest,
         )
         match_expected = kind == "trial" and resolved.mech.match_expected(resolved.arch)
-        base = self.baseline
         extra = _extras(resolved, outcome, steady)
-        with self.db.session() as s:
+        self._store(trial_id, kind, summary, outcome, extra, match_expected)
+        return summary
+
+    def _store(
+        self,
+        trial_id: int,
+        kind: str,
+        summary: TrialSummary,
+        outcome: TrialOutcome,
+        extra: dict[str, Any],
+        match_expected: bool,
+    ) -> None:
+        """A trial's records and result, in one transaction; what the trial measured outlives
+        a database outage shorter than the retry window."""
+        base = self.baseline
+        overhead = (
+            results.overhead_pct(summary.mean_step_time_s, base.mean_step_time_s if base else None)
+            if kind == "trial"
+            else None
+        )
+        matches = results.matches_baseline(
+            summary.params_digest, base.params_digest if base else None, match_expected
+        )
+
+        def store(s: Session) -> None:
             self.guard(s)
             repo.add_step_records(s, trial_id, outcome.records)
             repo.add_failures(s, trial_id, outcome.failures)
@@ -290,24 +334,19 @@ class _Runner:
             repo.finish_trial(
                 s,
                 trial_id,
-                status=status,
+                status=summary.status,
                 step_time_s=summary.step_time_s,
                 mean_step_time_s=summary.mean_step_time_s,
-                overhead_pct=results.overhead_pct(
-                    summary.mean_step_time_s, base.mean_step_time_s if base else None
-                )
-                if kind == "trial"
-                else None,
+                overhead_pct=overhead,
                 final_loss=summary.final_loss,
                 params_digest=summary.params_digest,
-                matches_baseline=results.matches_baseline(
-                    summary.params_digest, base.params_digest if base else None, match_expected
-                ),
+                matches_baseline=matches,
                 match_expected=match_expected,
                 error=outcome.error,
                 extra=extra,
             )
-        return summary
+
+        self.db.write(store, retry_s=self.db_retry_s)
 
 
 def _extras(resolved: Resolved, outcome: TrialOutcome, steady: list[float]) -> dict[str, Any]:

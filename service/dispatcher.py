@@ -147,6 +147,7 @@ class Dispatcher:
             guard=lambda session: self._guard(session, exp_id),
             cluster_share=self.cluster_share,
             reuse_workers=self.reuse_workers,
+            db_retry_s=self.lease_s,  # an outage shorter than the lease costs the run nothing
         )
         return parse(ExperimentStatus, result.status)
 

@@ -7,23 +7,29 @@ says what to change, instead of a driver stack trace.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event, make_url, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.engine.interfaces import DBAPIConnection
-from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import ConnectionPoolEntry
 
 from failbench_ray.errors import DatabaseError
+
+log = logging.getLogger("failbench.db")
+T = TypeVar("T")
 
 DEFAULT_DB_URL = "sqlite:///failbench.db"
 ENV_VAR = "FAILBENCH_DB_URL"
@@ -191,6 +197,28 @@ class Database:
         """A unit of work: committed when the block succeeds, rolled back if it raises."""
         with self.sessionmaker.begin() as session:
             yield session
+
+    def write(self, work: Callable[[Session], T], *, retry_s: float = 0.0) -> T:
+        """`work(session)` in one transaction; if the database cannot be reached
+        (OperationalError: an outage, a restart, a dropped connection), the whole transaction
+        is tried again, with backoff, for up to `retry_s` seconds. `work` must be safe to run
+        again after a rollback (it only writes through the session)."""
+        deadline = time.monotonic() + retry_s
+        delay = 0.1
+        while True:
+            try:
+                with self.session() as s:
+                    return work(s)
+            except OperationalError as err:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning(
+                    "database unreachable (%s); retrying in %.1f s",
+                    str(err).splitlines()[0][:200],
+                    delay,
+                )
+                time.sleep(delay)
+                delay = min(2 * delay, 2.0)
 
     def dispose(self) -> None:
         self.engine.dispose()
