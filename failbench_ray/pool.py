@@ -345,7 +345,7 @@ class WorkerPool:
             self._holder_class.clear()
 
 
-_POOL: tuple[str, WorkerPool] | None = None  # (the Ray job it belongs to, the pool)
+_POOL: tuple[tuple[str, str], WorkerPool] | None = None  # (the connection it belongs to, the pool)
 _POOL_LOCK = threading.Lock()
 
 
@@ -353,10 +353,15 @@ def shared_pool() -> WorkerPool:
     """This driver's pool, made on first use in each Ray connection (its processes die with
     the connection; `shutdown_shared_pool` ends them before)."""
     global _POOL
-    job = ray.get_runtime_context().get_job_id()
+    # A job id alone does not tell two connections apart: each new local cluster numbers its
+    # jobs from 01000000 again, and a pool kept across a `ray.shutdown()` and a new cluster
+    # handed out actors of the dead one ("Can't find actor ..."). The driver's node id is new
+    # with every cluster.
+    ctx = ray.get_runtime_context()
+    connection = (ctx.get_job_id(), ctx.get_node_id())
     with _POOL_LOCK:
-        if _POOL is None or _POOL[0] != job:
-            _POOL = (job, WorkerPool())
+        if _POOL is None or _POOL[0] != connection:
+            _POOL = (connection, WorkerPool())
         return _POOL[1]
 
 

@@ -85,3 +85,30 @@ def test_leak_verdict_compares_the_end_with_cell_five() -> None:
         not leak_verdict(threads)["met"] and leak_verdict(threads)["pooled_ratio"]["threads"] > 1.3
     )
     assert not leak_verdict(flat[:4])["met"]
+
+
+def test_the_loopback_goal_reads_our_processes_and_reports_the_peer_apart() -> None:
+    """Issue 15's check in `make bench`: a wide socket of ours fails it; Ray Train's own
+    rendezvous (torch's default, in the comparison peer's workers) is reported, not counted."""
+    from bench.run import loopback_goal
+    from failbench_ray.network import Listener, ListenWatch
+
+    watch = ListenWatch()
+    watch.samples = 3
+    watch.seen = {
+        Listener(1, "raylet", "127.0.0.1", 5000),
+        Listener(2, "ray::RayTrainWorker", "::", 6000),
+    }
+    watch.processes = {"raylet", "ray::RayTrainWorker"}
+    goal = loopback_goal(watch)
+    assert goal["status"] == "met" and goal["measured"]["peer_beyond_loopback"] == [
+        "ray::RayTrainWorker (pid 2) on :::6000"
+    ]
+    (_, line) = summary_lines(report({"loopback": goal}))
+    assert "MET" in line and "Ray Train's own (the peer): 1 beyond loopback" in line
+    watch.seen.add(Listener(3, "python", "0.0.0.0", 7000))
+    ours = loopback_goal(watch)
+    assert ours["status"] == "not met"
+    assert ours["measured"]["beyond_loopback"] == ["python (pid 3) on 0.0.0.0:7000"]
+    (_, line) = summary_lines(report({"loopback": ours}))
+    assert "NOT MET" in line and "python (pid 3) on 0.0.0.0:7000" in line

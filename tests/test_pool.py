@@ -131,3 +131,51 @@ def test_a_cancelled_trial_leaves_only_reset_processes(sqlite_url: str, tmp_path
         db.dispose()
     for handle in shared_pool().idle_workers():
         assert ray.get(handle.leftovers.remote()) == {}
+
+
+_TWO_CLUSTERS = """
+import ray
+from failbench_ray import runtime
+from failbench_ray.pool import shared_pool
+runtime.connect()
+first = shared_pool()
+ray.shutdown()  # without shutdown_shared_pool(): the bench did this between its goals
+runtime.connect()
+second = shared_pool()
+assert second is not first, "a new cluster got the dead cluster's pool"
+assert shared_pool() is second
+ray.shutdown()
+print("ok")
+"""
+
+
+def test_a_new_cluster_gets_a_new_pool() -> None:
+    """Each new local cluster numbers its jobs from 01000000 again: a pool keyed on the job
+    id alone outlived `ray.shutdown()` and handed the next cluster actors of the dead one
+    ("Can't find actor ...", the bench's harness_overhead goal). Its own process and cluster."""
+    import contextlib
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    ray_tmp = tempfile.mkdtemp(prefix="fbpl", dir="/tmp")  # short: Ray's socket paths
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _TWO_CLUSTERS],
+        cwd=Path(__file__).resolve().parent.parent,
+        env={**os.environ, "RAY_TMPDIR": ray_tmp},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # whatever of its session is left
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert proc.returncode == 0 and out.strip().endswith("ok"), err[-3000:]
