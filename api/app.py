@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 
-from api import schemas
+from api import openapi, schemas
 from api.metrics import Metrics
 from api.middleware import BodyLimit, Timed
 from api.responses import FiniteJSONResponse
@@ -106,6 +106,8 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
     app.add_exception_handler(FailBenchError, _ours)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(OperationalError, _database_down)
-    for router in (experiments.router, sweeps.router, service.router):
+    routers = (experiments.router, sweeps.router, service.router)
+    for router in routers:
         app.include_router(router)
+    openapi.install(app, settings, routers)  # each route's `security` as api/auth.py decides
     return app

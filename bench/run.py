@@ -385,9 +385,11 @@ def loopback_goal(watch: Any) -> dict[str, Any]:
     workers (the `ray_train_peer` goal's comparison) are reported apart: their torch
     rendezvous store listens on every interface by torch's default, which is Ray Train's code,
     not ours, and the goal is about ours."""
-    wide = [x for x in watch.wide]
-    peer = [str(x) for x in wide if _is_ray_train(x.process)]
-    ours = [str(x) for x in wide if not _is_ray_train(x.process)]
+    # by process: a Ray Train worker is titled after the task it runs at the moment
+    # ("ray::execute._setup_torch_process_group" while it opens the store)
+    peer_pids = {x.pid for x in watch.seen if _is_ray_train(x.process)}
+    peer = [str(x) for x in watch.wide if x.pid in peer_pids]
+    ours = [str(x) for x in watch.wide if x.pid not in peer_pids]
     met = watch.samples > 0 and not ours
     return {
         "goal": LOOPBACK_GOAL,
@@ -404,7 +406,7 @@ def loopback_goal(watch: Any) -> dict[str, Any]:
 
 
 def _is_ray_train(process: str) -> bool:
-    return process.startswith("ray::") and "Train" in process
+    return process.startswith("ray::") and ("Train" in process or "setup_torch" in process)
 
 
 def _loopback_line(g: dict[str, Any], line: _Line) -> None:

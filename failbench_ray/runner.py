@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from failbench_ray import results, telemetry
@@ -107,8 +108,8 @@ def run_experiment(
     runner.db_retry_s = DB_RETRY_S if db_retry_s is None else db_retry_s
     try:
         ok = runner.run_all(resolved, base)
-    except TrialInterrupted:
-        raise  # the caller (a dispatcher) decides what the experiment becomes
+    except (TrialInterrupted, OperationalError):
+        raise  # the caller decides: stopped, or the database stayed unreachable past retries
     except KeyboardInterrupt:
         with db.session() as s:
             repo.mark_interrupted(s, exp_id, "interrupted (Ctrl-C)")

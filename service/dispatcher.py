@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from failbench_ray.errors import FailBenchError, LeaseLost, TrialInterrupted
@@ -121,6 +122,8 @@ class Dispatcher:
             status = self._interrupted(exp_id, lease, err)
         except LeaseLost:
             status = None
+        except OperationalError as err:  # the database, not the experiment: say so
+            status = self._outlasted(exp_id, err)
         except Exception as err:  # noqa: BLE001  (run_experiment recorded it as failed)
             log.warning("experiment %s failed: %s: %s", exp_id, type(err).__name__, err)
             status = ExperimentStatus.FAILED
@@ -180,14 +183,39 @@ class Dispatcher:
             repo.set_experiment_status(s, exp_id, ExperimentStatus.CANCELLED, error=str(err))
         return ExperimentStatus.CANCELLED
 
+    def _outlasted(self, exp_id: str, err: OperationalError) -> ExperimentStatus | None:
+        """The database stayed unreachable longer than the run's writes retry: not the
+        experiment's failure. Back in the queue, without counting an attempt, once the
+        database answers (within ten leases, or a minute); else its lease expires as usual."""
+        reason = "re-queued: the database was unreachable for longer than the lease"
+        log.warning(
+            "experiment %s: the database stayed unreachable (%s); not failed: %s",
+            exp_id,
+            str(err).splitlines()[0][:200],
+            reason,
+        )
+        try:
+            # Nothing else to do meanwhile: no experiment can be claimed without the database.
+            back = self.db.write(
+                lambda s: queue.give_back(s, exp_id, self.owner, reason),
+                retry_s=max(60.0, 10 * self.lease_s),
+            )
+        except OperationalError:
+            return None  # its lease expires and it is re-queued then
+        return ExperimentStatus.QUEUED if back else None
+
     def _finish(self, exp_id: str, status: ExperimentStatus | None) -> None:
         self.current = None
         self.runs += 1
-        with self.db.session() as s:
+
+        def release(s: Session) -> None:
             queue.release(s, exp_id, self.owner)
             queue.heartbeat(s, self.owner, None, ran=1, lease_s=self.lease_s)
             if status is not None:
                 _sync_cell(s, exp_id, status)
+
+        # a short outage here must not leave the experiment to wait out its lease
+        self.db.write(release, retry_s=self.lease_s)
 
     def _spec(self, exp_id: str) -> ExperimentSpec | None:
         """The stored spec, or None after failing the experiment with why it cannot run."""

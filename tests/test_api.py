@@ -382,3 +382,29 @@ def test_a_database_outage_is_503_naming_nothing_internal(tmp_path: Path) -> Non
     assert down[1].json()["database"] == "unavailable"
     assert up.status_code == 200, up.text
     assert "database unavailable" in srv.output()  # the operator's log has the reason
+
+
+def test_the_schema_says_which_routes_need_the_token_as_the_server_decides(
+    server: Server,
+) -> None:
+    """Issue 16, item 6: reads are open on loopback, so the schema makes their token optional;
+    writes need it. Each claim is checked against the server, without a token."""
+    doc = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
+    security = {
+        (method, path): op.get("security")
+        for path, ops in doc["paths"].items()
+        for method, op in ops.items()
+    }
+    bearer = {"HTTPBearer": []}
+    assert security[("get", "/v1/experiments")] == [{}, bearer]
+    assert security[("post", "/v1/experiments")] == [bearer]
+    assert security[("get", "/healthz")] == []
+    with httpx.Client(base_url=server.url, timeout=30) as anonymous:
+        for (method, path), needs in security.items():
+            if "{" in path:
+                path = path.replace("{experiment_id}", "0" * 32).replace("{sweep_id}", "0" * 32)
+            r = anonymous.request(method.upper(), path, json={} if method == "post" else None)
+            if needs == [bearer]:
+                assert r.status_code == 401, (method, path, r.status_code)
+            else:
+                assert r.status_code != 401, (method, path, r.text)

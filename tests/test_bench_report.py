@@ -98,14 +98,18 @@ def test_the_loopback_goal_reads_our_processes_and_reports_the_peer_apart() -> N
     watch.seen = {
         Listener(1, "raylet", "127.0.0.1", 5000),
         Listener(2, "ray::RayTrainWorker", "::", 6000),
+        # the same Ray Train worker, titled after the task it ran when sampled
+        Listener(4, "ray::RayTrainWorker", "127.0.0.1", 6100),
+        Listener(4, "ray::execute._setup_torch_process_group", "::", 6200),
     }
     watch.processes = {"raylet", "ray::RayTrainWorker"}
     goal = loopback_goal(watch)
     assert goal["status"] == "met" and goal["measured"]["peer_beyond_loopback"] == [
-        "ray::RayTrainWorker (pid 2) on :::6000"
+        "ray::RayTrainWorker (pid 2) on :::6000",
+        "ray::execute._setup_torch_process_group (pid 4) on :::6200",
     ]
     (_, line) = summary_lines(report({"loopback": goal}))
-    assert "MET" in line and "Ray Train's own (the peer): 1 beyond loopback" in line
+    assert "MET" in line and "Ray Train's own (the peer): 2 beyond loopback" in line
     watch.seen.add(Listener(3, "python", "0.0.0.0", 7000))
     ours = loopback_goal(watch)
     assert ours["status"] == "not met"

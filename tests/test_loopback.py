@@ -6,15 +6,8 @@ a run trains through a failure and a re-formation."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
-import signal
 import socket
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import psutil
@@ -27,8 +20,7 @@ from failbench_ray.errors import ClusterError
 from failbench_ray.runner import run_experiment
 from failbench_ray.spec import parse_spec
 from failbench_ray.storage.db import Database
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.own_cluster import run_snippet
 
 
 @pytest.mark.parametrize(
@@ -145,25 +137,6 @@ print(json.dumps({"node": node, "wide": wide}))
 def test_importing_ray_first_still_starts_a_loopback_cluster() -> None:
     """Its own process, where nothing imported failbench_ray before Ray (the CLI, the service,
     the bench and the tests all once depended on that order)."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
-    # Ray's files in a folder of its own (short: its socket paths must fit in 107 bytes)
-    env["RAY_TMPDIR"] = ray_tmp = tempfile.mkdtemp(prefix="fblo", dir="/tmp")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _IMPORT_RAY_FIRST],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=180)
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # whatever of its session is left
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert proc.returncode == 0, err[-3000:]
+    out = run_snippet(_IMPORT_RAY_FIRST, drop_env=("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",))
     got = json.loads(out.strip().splitlines()[-1])
     assert got == {"node": "127.0.0.1", "wide": []}, got

@@ -17,6 +17,7 @@ from failbench_ray.pool import shared_pool
 from failbench_ray.results import ExperimentResult
 from failbench_ray.storage import repo
 from failbench_ray.storage.db import Database
+from tests.own_cluster import run_snippet
 from tests.test_engine import run
 
 # hybrid dp 2 x pp 2: a DeviceMesh, pipeline schedules and data parallel in every process,
@@ -153,29 +154,4 @@ def test_a_new_cluster_gets_a_new_pool() -> None:
     """Each new local cluster numbers its jobs from 01000000 again: a pool keyed on the job
     id alone outlived `ray.shutdown()` and handed the next cluster actors of the dead one
     ("Can't find actor ...", the bench's harness_overhead goal). Its own process and cluster."""
-    import contextlib
-    import os
-    import shutil
-    import signal
-    import subprocess
-    import sys
-    import tempfile
-
-    ray_tmp = tempfile.mkdtemp(prefix="fbpl", dir="/tmp")  # short: Ray's socket paths
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _TWO_CLUSTERS],
-        cwd=Path(__file__).resolve().parent.parent,
-        env={**os.environ, "RAY_TMPDIR": ray_tmp},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=240)
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # whatever of its session is left
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert proc.returncode == 0 and out.strip().endswith("ok"), err[-3000:]
+    assert run_snippet(_TWO_CLUSTERS).strip().endswith("ok")
