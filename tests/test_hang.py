@@ -31,6 +31,7 @@ def _stop_rank_when_training(
     while not experiments and time.monotonic() < deadline:
         time.sleep(0.1)
     trial = f"{experiments[0][:8]}-trial0" if experiments else ""
+    seen: dict[int, int] = {}  # pid -> the first step it reported for this trial
     while time.monotonic() < deadline:
         for a in list_named_actors(all_namespaces=True):
             if not a["name"].startswith("fb-") or "-chaos" in a["name"]:
@@ -40,7 +41,11 @@ def _stop_rank_when_training(
                 me = ray.get(handle.identity.remote(), timeout=5)
                 if me["rank"] != rank or me["trial"] != trial:
                     continue
-                if ray.get(handle.progress.remote(), timeout=5) >= at_step:
+                # A reused process can say its new trial before its progress is reset: stop
+                # it only once its step has moved since first seen (it trains this trial).
+                step = ray.get(handle.progress.remote(), timeout=5)
+                first = seen.setdefault(me["pid"], step)
+                if step >= at_step and step > first:
                     os.kill(me["pid"], signal.SIGSTOP)
                     stopped.append(me["pid"])
                     return
