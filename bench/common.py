@@ -1,9 +1,10 @@
 """What the benchmark goals share: the configuration, statistics, a Ray cluster, a watchdog,
 running one experiment or one command, and the specs and states the goals measure with.
 
-The goal modules (`bench/mechanisms.py`, `monitoring.py`, `peers.py`, `api.py`) import this and
-`procs.py`, never `run.py` or each other (import-linter checks it in `make lint`); `run.py`
-imports them all. Like `run.py`, it imports Ray and torch inside functions only.
+The goal modules (`bench/mechanisms.py`, `monitoring.py`, `peers.py`, `api.py`, `soak.py`) import
+this, `procs.py`, `serving.py` and `tcpproxy.py`, never `run.py` or each other (import-linter
+checks it in `make lint`); `run.py` imports them all. Like `run.py`, it imports Ray and torch
+inside functions only.
 """
 
 from __future__ import annotations

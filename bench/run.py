@@ -12,7 +12,13 @@ Goals (each reported with the numbers measured, the goal, and whether it was met
 5. the mechanisms' costs (`bench/mechanisms.py`): inmem_replica restore vs memcpy, disk_ckpt
    write vs a raw write and vs torch.distributed.checkpoint, async vs disk overhead, hot spare
    vs disk recovery, and the whole paper matrix in < 45 min (full mode only);
-6. the REST API under 50 concurrent clients (`bench/api.py`): >= 300 requests/s, p99 <= 100 ms.
+6. the REST API under 50 concurrent clients (`bench/api.py`): >= 300 requests/s, p99 <= 100 ms;
+7. a soak of the service (`bench/soak.py`, issue 16): 100 small experiments (40 with --quick)
+   through the API with Idempotency-Keys, `failbench serve --dispatchers 4` on a fresh PostgreSQL
+   database, one SIGKILL of the service (restarted on the same database) and one 4 s database
+   outage (a cut proxy) while experiments train: 0 lost, 0 duplicated (counted per key in the
+   database), and the restarted service process's RSS, threads and open files, idle after each
+   phase, at the end within 10% of the start.
 
 Ray and the project's runner are imported inside functions: the plain loop's spawned processes
 import this module (it is `__main__`) and must not pay for Ray.
@@ -50,6 +56,7 @@ from bench.common import (
 from bench.monitoring import goal_metrics_overhead
 from bench.peers import goal_dcp_peer, goal_ray_train
 from bench.procs import ForeignCpu, wait_for_no_children
+from bench.soak import goal_soak
 
 if TYPE_CHECKING:
     from failbench_ray.results import ExperimentResult
@@ -599,6 +606,27 @@ def _api_load_text(m: dict[str, Any]) -> str:
     )
 
 
+def _soak_text(m: dict[str, Any]) -> str:
+    s = m.get("service", {})
+    a, b, r = s.get("start", {}), s.get("end", {}), s.get("ratios", {})
+
+    def one(k: str, label: str, scale: float = 1.0, unit: str = "") -> str:
+        return (
+            f"{label} {a.get(k, 0) / scale:.0f}{unit} -> {b.get(k, 0) / scale:.0f}{unit} "
+            f"({r.get(k, 0):.3f}x)"
+        )
+
+    rerun = sum(1 for a in m.get("kill", {}).get("their_attempts", {}).values() if a > 1)
+    cost = sum(a - 1 for a in m.get("outage", {}).get("their_attempts", {}).values())
+    return (
+        f"{m.get('experiments')} experiments{' (--quick)' if m.get('quick') else ''}, 1 SIGKILL, "
+        f"1 database outage: lost {m.get('lost')}, duplicated {m.get('duplicated')}; service "
+        f"{one('rss_bytes', 'RSS', 2**20, ' MB')}, {one('threads', 'threads')}, "
+        f"{one('open_files', 'open files')} (goal 0, 0, within 10%); re-run after the kill "
+        f"{rerun}, attempts the outage cost {cost}"
+    )
+
+
 def _paper_matrix_text(m: dict[str, Any]) -> str:
     if m["status"] == "not measured":
         return "skipped with --quick"
@@ -633,6 +661,7 @@ _MECHANISM_TEXTS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
     ("dcp_peer", _dcp_peer_text),
     ("metrics_overhead", _metrics_overhead_text),
     ("api_load", _api_load_text),
+    ("soak", _soak_text),
     ("paper_matrix", _paper_matrix_text),
     ("pool_leaks", _pool_leaks_text),
 )
@@ -786,6 +815,13 @@ def _local_goal_rows(cfg: BenchConfig, tmp: Path) -> list[_GoalRow]:
             "POST+GET /v1/experiments, 50 clients: >= 300 req/s, p99 <= 100 ms at 300 req/s",
             False,
             lambda env: goal_api_load(tmp, cfg.quick),
+        ),
+        (
+            "soak",
+            "service soak, 4 dispatchers on PostgreSQL, a SIGKILL and a database outage: 0 lost, "
+            "0 duplicated, RSS/threads/open files flat within 10%",
+            False,
+            lambda env: goal_soak(tmp, cfg.quick),
         ),
         (
             "paper_matrix",
