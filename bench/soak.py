@@ -4,8 +4,9 @@ through a cuttable proxy (`bench/tcpproxy.py`), in two phases:
 
 1. the first share is submitted at a steady pace; once most are acknowledged and some train,
    the whole service session (API, dispatchers, its Ray cluster) is SIGKILLed and started again
-   on the same database and port; the client keeps retrying with the same keys, and the runs
-   the kill cut short go back to the queue when their (short) lease expires. The restarted
+   on the same database and port; the client keeps retrying with the same keys (and sends the
+   last few it had answers for again, as a client that lost them in the crash would), and the
+   runs the kill cut short go back to the queue when their (short) lease expires. The restarted
    process drains the queue, and its RSS, threads and open files are read once it is idle:
    the start of the flatness comparison;
 2. the rest is submitted the same way; while some train, the database is cut for a few seconds
@@ -16,7 +17,7 @@ The books are then checked against the database itself: per key, how many experi
 (duplicated), which did not complete (lost: never acknowledged, missing, unfinished, failed or
 cancelled, each with its reason), each run's attempts, and whether each completed experiment has
 exactly its steps x ranks step records (a run written twice would show). The verdict functions
-(`tally`, `flatness`, `verdict`) are pure: tests/test_bench_report.py checks them without Ray.
+(`tally`, `flatness`, `verdict`) are pure: tests/test_soak_books.py checks them without Ray.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ FLAT_TOLERANCE = 0.10
 METRICS = ("rss_bytes", "threads", "open_files")
 TERMINAL = ("completed", "failed", "cancelled")
 GIVE_UP_S = 180.0  # a client retries one submission this long (a restart or an outage)
+REPLAYS = 5  # acknowledged submissions sent again after the restart (their answers "lost")
 # The smallest spec that still trains on real Ray workers: 2 ranks, 3 steps, one trial.
 SPEC: dict[str, Any] = {
     "architecture": "ddp",
@@ -112,11 +114,18 @@ class Books:
     created: Counter[str] = field(default_factory=Counter)  # key -> 201s answered
     answers: Counter[str] = field(default_factory=Counter)  # status code or error -> count
     gave_up: dict[str, str] = field(default_factory=dict)  # key -> the last answer
+    # the submitter and the replays after the restart write at the same time
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record(self, key: str, code: int, exp_id: str) -> None:
-        self.acked.setdefault(key, []).append(exp_id)
-        if code == 201:
-            self.created[key] += 1
+        with self._lock:
+            self.acked.setdefault(key, []).append(exp_id)
+            if code == 201:
+                self.created[key] += 1
+
+    def answered(self, what: str) -> None:
+        with self._lock:
+            self.answers[what] += 1
 
 
 def _duplicates(keys: Sequence[str], books: Books, rows: Sequence[Row]) -> dict[str, Any]:
@@ -254,7 +263,7 @@ class Submitter(threading.Thread):
         while not self.stop.is_set():
             try:
                 r = client.post("/v1/experiments", json=spec, headers={"Idempotency-Key": key})
-                self.books.answers[str(r.status_code)] += 1
+                self.books.answered(str(r.status_code))
                 if r.status_code in (200, 201):
                     self.books.record(key, r.status_code, r.json()["id"])
                     return
@@ -262,7 +271,7 @@ class Submitter(threading.Thread):
                 if r.status_code < 500 and r.status_code != 429:
                     break  # the request itself is wrong: retrying cannot help
             except httpx.HTTPError as err:
-                self.books.answers[type(err).__name__] += 1
+                self.books.answered(type(err).__name__)
                 last = f"{type(err).__name__}: {err}"
             if time.monotonic() > deadline:
                 break
@@ -472,14 +481,20 @@ class Soak:
         self.event("service up", pid=srv.pid)
         return srv
 
-    def submit(self, first: int, last: int) -> Submitter:
-        items = [
-            (k, {**SPEC, "name": k, "seed": first + i}) for i, k in enumerate(self.keys[first:last])
-        ]
-        sub = Submitter(f"http://127.0.0.1:{self.port}", items, self.plan.pace_s, self.books)
+    def submit(self, indices: Sequence[int], pace_s: float) -> Submitter:
+        items = [(self.keys[i], {**SPEC, "name": self.keys[i], "seed": i}) for i in indices]
+        sub = Submitter(f"http://127.0.0.1:{self.port}", items, pace_s, self.books)
         self.submitters.append(sub)
         sub.start()
         return sub
+
+    def replay(self, acked: Sequence[int]) -> list[str]:
+        """Send the last REPLAYS of the submissions acknowledged before the kill again, with
+        their keys, as a client that lost its answers in the crash would: each must name the
+        experiment it named before (the books count any other answer as a duplicate)."""
+        again = list(acked)[-REPLAYS:]
+        self.submit(again, pace_s=0.0).join()
+        return [self.keys[i] for i in again]
 
     def acked(self, first: int, last: int) -> int:
         return sum(1 for k in self.keys[first:last] if k in self.books.acked)
@@ -503,14 +518,15 @@ class Soak:
         """Submit the first share; SIGKILL the service while some train; restart it; drain."""
         p = self.plan
         srv = self.start_server()
-        sub = self.submit(0, p.first_phase)
+        sub = self.submit(range(p.first_phase), p.pace_s)
         self.wait_until(
             lambda: self.acked(0, p.first_phase) >= p.kill_after and len(training(self.db)) >= 2,
             f"{p.kill_after} acknowledged and 2 experiments training",
         )
         running = training(self.db)
+        acked = [i for i in range(p.first_phase) if self.keys[i] in self.books.acked]
         self.facts["kill"] = {
-            "acknowledged_before": self.acked(0, p.first_phase),
+            "acknowledged_before": len(acked),
             "training_at_kill": running,
             "counts_at_kill": status_counts(self.db),
             "first_process_usage_at_kill": {"pid": srv.pid, **usage(srv.pid)},
@@ -522,6 +538,7 @@ class Soak:
         again = self.start_server()
         self.sampler = Sampler(again.pid)
         self.sampler.start()
+        self.facts["kill"]["replayed_after_restart"] = self.replay(acked)
         self.wait_until(lambda: self.drained(sub), "phase 1 submitted and drained")
         self.event("phase 1 drained", counts=status_counts(self.db))
         time.sleep(3)  # idle: the last runs' threads and connections wound down
@@ -531,7 +548,7 @@ class Soak:
     def phase_outage(self) -> None:
         """Submit the rest; cut the database for OUTAGE_S while some train; drain."""
         p, srv = self.plan, self.servers[-1]
-        sub = self.submit(p.first_phase, p.experiments)
+        sub = self.submit(range(p.first_phase, p.experiments), p.pace_s)
         self.wait_until(
             lambda: (
                 self.acked(p.first_phase, p.experiments) >= p.cut_after
