@@ -22,11 +22,12 @@ from sqlalchemy.exc import OperationalError
 
 from api import openapi, schemas
 from api.metrics import Metrics
-from api.middleware import BodyLimit, Timed
+from api.middleware import BodyLimit, Deadline, Timed
+from api.offload import Offload
 from api.responses import FiniteJSONResponse
 from api.routers import experiments, service, sweeps
 from api.settings import Settings
-from failbench_ray.errors import DatabaseError, FailBenchError
+from failbench_ray.errors import DatabaseError, FailBenchError, Overloaded
 from failbench_ray.storage.db import Database
 
 log = logging.getLogger("failbench.api")
@@ -41,7 +42,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (404, "No such experiment or sweep"),
         (409, "Not allowed in the current state, or an Idempotency-Key reused"),
         (413, "Request body over the cap"),
-        (503, "The database is unavailable"),
+        (503, "The database is unavailable, or the request ran past the server's deadline"),
     ]
 }
 
@@ -51,7 +52,12 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     # anyio's default of 40 threads, on a couple of cores, only queues requests behind each
     # other's GIL and SQLite locks, and outgrows the connection pool
     anyio.to_thread.current_default_thread_limiter().total_tokens = app.state.settings.threads
-    yield
+    app.state.health_threads = anyio.CapacityLimiter(2)  # /healthz queues behind nothing
+    app.state.compute.start()
+    try:
+        yield
+    finally:
+        app.state.compute.close()  # a stop does not wait for a simulation to end
 
 
 async def _ours(request: Request, err: Exception) -> JSONResponse:
@@ -60,7 +66,8 @@ async def _ours(request: Request, err: Exception) -> JSONResponse:
     assert isinstance(err, FailBenchError)
     if isinstance(err, DatabaseError):
         return await _database_down(request, err)
-    return JSONResponse({"detail": str(err)}, err.http_status)
+    retry = {"Retry-After": "2"} if isinstance(err, Overloaded) else None
+    return JSONResponse({"detail": str(err)}, err.http_status, headers=retry)
 
 
 async def _invalid(_: Request, err: Exception) -> JSONResponse:
@@ -101,7 +108,15 @@ def create_app(settings: Settings, db: Database) -> FastAPI:
     app.state.settings = settings
     app.state.db = db
     app.state.metrics = metrics = Metrics(db)
+    app.state.compute = Offload(
+        settings.compute_workers,
+        settings.request_timeout_s,
+        "FAILBENCH_COMPUTE_WORKERS",
+        warm=("failbench_ray.recommend", "failbench_ray.storage.repo", "failbench_ray.catalog"),
+    )
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    # the backstop: the compute workers' own deadline (the same) answers first, more clearly
+    app.add_middleware(Deadline, seconds=settings.request_timeout_s + 1.0)
     app.add_middleware(Timed, metrics=metrics)
     app.add_exception_handler(FailBenchError, _ours)
     app.add_exception_handler(RequestValidationError, _invalid)

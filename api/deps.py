@@ -1,5 +1,5 @@
 """What the routes take from the app, as `Annotated` dependencies: the database, the settings,
-the metrics, and who may call (`Reader`, `Writer`).
+the metrics, the compute workers, and who may call (`Reader`, `Writer`).
 
 They are `async` and do no I/O: a sync dependency would cost each request a trip to the
 thread pool. There is no session dependency on purpose: each route does its database work in
@@ -15,6 +15,7 @@ from fastapi import Depends, Request
 
 from api.auth import require_reader, require_writer
 from api.metrics import Metrics
+from api.offload import Offload
 from api.settings import Settings
 from failbench_ray.storage.db import Database
 
@@ -34,9 +35,15 @@ async def _metrics(request: Request) -> Metrics:
     return metrics
 
 
+async def _compute(request: Request) -> Offload:
+    compute: Offload = request.app.state.compute
+    return compute
+
+
 Db = Annotated[Database, Depends(_db)]
 Config = Annotated[Settings, Depends(_settings)]
 Meters = Annotated[Metrics, Depends(_metrics)]
+Compute = Annotated[Offload, Depends(_compute)]
 
 Reader = [Depends(require_reader)]  # reads: open on loopback, the token elsewhere
 Writer = [Depends(require_writer)]  # writes: the token, wherever the service listens

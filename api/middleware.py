@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 
 from fastapi import status
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.metrics import Metrics
+
+log = logging.getLogger("failbench.api")
 
 
 class _BodyTooLarge(Exception):
@@ -104,3 +108,82 @@ class Timed:
             self.metrics.latency.labels(
                 scope["method"], getattr(route, "path", "unmatched"), str(code)
             ).observe(time.perf_counter() - t0)
+
+
+class Deadline:
+    """Answer 503 to a request the app has not begun to answer within `seconds`.
+
+    Route work runs in threads, which cannot be stopped; its cost is bounded elsewhere (the
+    caps, the database's timeouts, the compute workers' deadline). This bounds what a client
+    waits: the work goes on unseen and whatever it then answers is dropped. A write cut off so
+    may still commit: the 503 says so, and `Idempotency-Key` makes the retry safe."""
+
+    def __init__(self, app: ASGIApp, seconds: float) -> None:
+        self.app, self.seconds = app, seconds
+        self._unseen: set[asyncio.Task[None]] = set()  # strong references until they end
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started, cut = False, False
+
+        async def guarded(message: Message) -> None:
+            nonlocal started
+            if cut:
+                return
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        task = asyncio.ensure_future(self.app(scope, receive, guarded))
+        try:
+            await asyncio.wait_for(asyncio.shield(task), self.seconds)
+            return
+        except asyncio.CancelledError:  # the server's own stop gave up on it: so do we
+            cut = True
+            task.cancel()
+            raise
+        except TimeoutError:
+            if started:  # mid-answer: let it finish, it is on its way
+                await task
+                return
+        cut = True
+        self._unseen.add(task)
+        task.add_done_callback(self._ended)
+        log.warning(
+            "%s %s ran past the %g s deadline: answered 503",
+            scope["method"],
+            scope["path"],
+            self.seconds,
+        )
+        write = scope["method"] not in ("GET", "HEAD", "OPTIONS")
+        detail = (
+            f"the request ran past the server's deadline of {self.seconds:g} s "
+            "(FAILBENCH_REQUEST_TIMEOUT_S); retry shortly"
+            + (
+                ": it may still take effect, so retry with the same Idempotency-Key"
+                if write
+                else ""
+            )
+        )
+        body = json.dumps({"detail": detail}).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status.HTTP_503_SERVICE_UNAVAILABLE,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"retry-after", b"2"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        self._unseen.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error(
+                "a request answered 503 at its deadline then failed", exc_info=task.exception()
+            )

@@ -27,6 +27,20 @@ class Settings(BaseSettings):
         16, ge=1, description="Largest threads_per_worker of a submitted spec."
     )
     max_sweep_cells: int = Field(1000, ge=1, description="Largest grid of a submitted sweep.")
+    request_timeout_s: float = Field(
+        20.0,
+        gt=0,
+        le=3600,
+        description="Server-side deadline of a request: past it the client gets 503 (a "
+        "recommend's worker is killed; other work, bounded by the caps, finishes unseen).",
+    )
+    compute_workers: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="Processes that run recommend's simulations, at most one request each: "
+        "the CPU such requests may take from the service, whatever their number.",
+    )
     threads: int = Field(
         8,
         ge=1,

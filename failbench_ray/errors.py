@@ -127,6 +127,14 @@ class ClusterError(FailBenchError):
     http_status = 503
 
 
+class Overloaded(FailBenchError):
+    """The service cannot answer this request now (every worker busy past the deadline, or
+    the request ran past it); retrying later may succeed. No state changed on our side."""
+
+    exit_code = 2
+    http_status = 503
+
+
 class RecoveryError(FailBenchError):
     """Recovery could not complete (e.g. every holder of the needed state is gone)."""
 

@@ -104,6 +104,7 @@ class WorkerPool:
         self._names = itertools.count()
         self._prefix = f"fb-pool-{os.getpid()}"
         self.started = self.reused = self.ended = 0
+        self.closing = False  # set: the driver is stopping, nothing given back is kept
 
     def fits(self, world_size: int, num_gpus: float) -> bool:
         return num_gpus == 0 and world_size + 4 <= POOL_CONCURRENCY
@@ -200,6 +201,11 @@ class WorkerPool:
         workers = [h for h in workers if self.owns(h)]
         with self._lock:
             self._lent -= {h._actor_id for h in workers}
+        if self.closing:  # resetting for a next trial that will not come costs seconds
+            self._end([*workers, *[h for h in holders if self.owns(h)]])
+            if chaos is not None and self.owns(chaos):
+                self._end([chaos])
+            return
         if chaos is not None and self.owns(chaos):
             chaos.stop.remote()
             with self._lock:
@@ -363,6 +369,14 @@ def shared_pool() -> WorkerPool:
         if _POOL is None or _POOL[0] != connection:
             _POOL = (connection, WorkerPool())
         return _POOL[1]
+
+
+def stop_reusing() -> None:
+    """The driver is stopping: trials that end from now on end their processes at once
+    instead of resetting them for reuse (`failbench serve` on SIGTERM). Thread-safe."""
+    with _POOL_LOCK:
+        if _POOL is not None:
+            _POOL[1].closing = True
 
 
 def shutdown_shared_pool() -> None:

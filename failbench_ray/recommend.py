@@ -349,6 +349,20 @@ def recommend(q: Question, results: Iterable[Any] = ()) -> dict[str, Any]:
     }
 
 
+_OPEN: dict[str, Any] = {}  # url -> Database, kept by a process that answers many questions
+
+
+def recommend_stored(db_url: str, q: Question, limit: int = 500) -> dict[str, Any]:
+    """`recommend` from the newest `limit` results stored at `db_url`: what the API's compute
+    workers run (`api/offload.py`), the database reads included, off the server's threads."""
+    from failbench_ray.storage.db import Database
+
+    db = _OPEN.get(db_url)
+    if db is None:
+        db = _OPEN[db_url] = Database(db_url, migrate=False, pool_size=1)
+    return recommend(q, stored_results(db, limit=limit))
+
+
 def stored_results(db: Any, limit: int = 2000) -> list[Any]:
     """Results of the completed experiments in `db` (`ExperimentResult`s), newest first."""
     from failbench_ray.storage import repo

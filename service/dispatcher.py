@@ -88,6 +88,19 @@ class Dispatcher:
                 queue.forget_dispatcher(s, self.owner)
             log.info("dispatcher %s stopped after %d runs", self.owner, self.runs)
 
+    def abandon(self) -> None:
+        """The service stops without waiting for this dispatcher's run to wind down: its
+        experiment goes back to the queue now (no attempt counted). The run, when it notices,
+        no longer holds the lease and writes nothing more."""
+        exp_id = self.current
+        try:
+            with self.db.session() as s:
+                if exp_id is not None:
+                    queue.give_back(s, exp_id, self.owner, "re-queued: the service stopped")
+                queue.forget_dispatcher(s, self.owner)
+        except Exception as err:  # noqa: BLE001  (then its lease expires as usual)
+            log.warning("dispatcher %s: could not give back %s: %s", self.owner, exp_id, err)
+
     def run_once(self) -> bool:
         """Re-queue expired leases, then claim and run one experiment. False if none queued."""
         with self.db.session() as s:

@@ -9,19 +9,32 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from failbench_ray.errors import UsageError
 from failbench_ray.storage.db import Database
 
 log = logging.getLogger("failbench.service")
 
-# How long a stop waits for the dispatchers to hand their experiments back.
-_STOP_GRACE_S = 15.0
+# A stop (SIGTERM, Ctrl-C) ends within 10 s in any state (what `docker stop` and systemd
+# allow before SIGKILL): requests get up to _DRAIN_S to finish while the dispatchers, told at
+# once, get _STOP_GRACE_S to hand their experiments back; stopping Ray takes the rest.
+_STOP_GRACE_S = 5.0
+_DRAIN_S = 2
+
+
+class _Stopped(BaseException):
+    """SIGTERM while no server handles it (starting, or after uvicorn returned): unwind
+    through every `finally`, which stops what was started."""
+
+
+def _on_term(signum: int, frame: FrameType | None) -> None:
+    raise _Stopped
 
 
 @dataclass(frozen=True)
@@ -41,14 +54,27 @@ class Dispatching:
     reuse_workers: bool = True  # trials reuse started processes (failbench_ray.pool)
 
 
+class StopSignal(threading.Event):
+    """The dispatchers' stop, remembering when it was first asked for: their grace counts
+    from the signal, not from when the server has finished draining."""
+
+    at: float | None = None
+
+    def set(self) -> None:
+        if self.at is None:
+            self.at = time.monotonic()
+        super().set()
+
+
 @contextmanager
-def dispatchers(db: Database, cfg: Dispatching) -> Iterator[threading.Event]:
-    """Run `cfg.n` dispatcher threads until the block ends (each finishes its current
-    experiment's bookkeeping: a run cut short by the stop goes back to the queue)."""
+def dispatchers(db: Database, cfg: Dispatching) -> Iterator[StopSignal]:
+    """Run `cfg.n` dispatcher threads until the block ends (set the yielded event to begin
+    the stop sooner). Each gives its current experiment back to the queue; one that has not
+    within `_STOP_GRACE_S` of the stop has it given back for it (no attempt counted either)."""
     from service.dispatcher import Dispatcher
 
-    stop = threading.Event()
-    threads = []
+    stop = StopSignal()
+    running = []
     for i in range(cfg.n):
         d = Dispatcher(
             db,
@@ -59,29 +85,29 @@ def dispatchers(db: Database, cfg: Dispatching) -> Iterator[threading.Event]:
             cluster_share=1.0 / cfg.n,  # experiments at once share the cluster evenly
             reuse_workers=cfg.reuse_workers,
         )
-        # Daemons: a dispatcher stuck on a Ray cluster that is going down with the service
-        # (a SIGTERM to the whole process group reaches Ray's processes too) must not keep the
-        # process alive; its experiment goes back to the queue when its lease expires.
+        # Daemons: a dispatcher still winding its run down when the grace ends must not keep
+        # the process alive (its experiment is given back for it, and its actors end with Ray).
         t = threading.Thread(
             target=d.run_forever, args=(stop,), name=f"dispatcher-{i}", daemon=True
         )
         t.start()
-        threads.append(t)
+        running.append((d, t))
     try:
         yield stop
     finally:
         stop.set()
-        deadline = time.monotonic() + _STOP_GRACE_S
-        for t in threads:
+        deadline = (stop.at or time.monotonic()) + _STOP_GRACE_S
+        for _, t in running:
             t.join(max(0.0, deadline - time.monotonic()))
-        stuck = [t.name for t in threads if t.is_alive()]
-        if stuck:
-            log.warning(
-                "%s did not stop within %.0f s (is the Ray cluster gone?); their experiments "
-                "go back to the queue when their leases expire",
-                ", ".join(stuck),
-                _STOP_GRACE_S,
-            )
+        for d, t in running:
+            if t.is_alive():
+                log.warning(
+                    "%s still winding down %.0f s after the stop: its experiment goes back "
+                    "to the queue now",
+                    t.name,
+                    _STOP_GRACE_S,
+                )
+                d.abandon()
 
 
 def _check_bind(host: str, token: bool) -> None:
@@ -114,6 +140,17 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def serve(*, host: str, port: int, cfg: Dispatching) -> int:
+    previous = signal.signal(signal.SIGTERM, _on_term)
+    try:
+        return _serve(host=host, port=port, cfg=cfg)
+    except _Stopped:
+        log.info("stopped by SIGTERM")
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _serve(*, host: str, port: int, cfg: Dispatching) -> int:
     import ray
     import uvicorn
 
@@ -131,26 +168,58 @@ def serve(*, host: str, port: int, cfg: Dispatching) -> int:
     try:
         # migrates on start; a connection for each request thread and each dispatcher
         db = Database(cfg.db_url, pool_size=settings.threads + cfg.n)
-        started = (
-            runtime.connect(
-                cfg.ray_address, dashboard=cfg.dashboard, dashboard_port=cfg.dashboard_port
+        try:
+            started = (
+                runtime.connect(
+                    cfg.ray_address, dashboard=cfg.dashboard, dashboard_port=cfg.dashboard_port
+                )
+                if cfg.n
+                else False
             )
-            if cfg.n
-            else False
-        )
+        except SystemExit as err:  # ray.init's own SIGTERM handler: sys.exit(15)
+            raise _Stopped from err
+        signal.signal(signal.SIGTERM, _on_term)  # in place of ray.init's
         app = create_app(settings, db)
-        config = uvicorn.Config(app, log_level="info", access_log=False)
-        with dispatchers(db, cfg), runtime.prometheus_sd(cfg.prometheus_sd if cfg.n else None):
-            # uvicorn handles SIGINT/SIGTERM: it stops serving and returns; then the
-            # dispatchers stop (their runs go back to the queue).
-            uvicorn.Server(config).run(sockets=[sock])
+        config = uvicorn.Config(
+            app, log_level="info", access_log=False, timeout_graceful_shutdown=_DRAIN_S
+        )
+        with (
+            dispatchers(db, cfg) as stop,
+            runtime.prometheus_sd(cfg.prometheus_sd if cfg.n else None),
+        ):
+            # uvicorn handles SIGINT/SIGTERM while it runs: it stops serving and returns;
+            # the dispatchers start stopping at the signal, not after the drain
+            _server(config, on_exit=lambda: _stopping(stop, app)).run(sockets=[sock])
     finally:
         sock.close()
         if db is not None:
             db.dispose()
-        if started:
+        if started or ray.is_initialized():  # a cluster cut off while starting, too
             ray.shutdown()
     return 0
+
+
+def _stopping(stop: StopSignal, app: Any) -> None:
+    """At the signal: the dispatchers begin to give their runs back, trials that end no
+    longer reset their processes for reuse, and recommend's workers end (their requests get
+    503 now rather than being cut off when the drain ends)."""
+    from failbench_ray import pool
+
+    stop.set()
+    pool.stop_reusing()
+    app.state.compute.close()
+
+
+def _server(config: Any, on_exit: Callable[[], None]) -> Any:
+    """uvicorn's server, also calling `on_exit` at the signal (uvicorn is imported lazily)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            on_exit()
+            super().handle_exit(sig, frame)
+
+    return Server(config)
 
 
 def dispatch(cfg: Dispatching) -> int:
