@@ -53,7 +53,6 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     # other's GIL and SQLite locks, and outgrows the connection pool
     anyio.to_thread.current_default_thread_limiter().total_tokens = app.state.settings.threads
     app.state.health_threads = anyio.CapacityLimiter(2)  # /healthz queues behind nothing
-    app.state.compute.start()
     try:
         yield
     finally:

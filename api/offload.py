@@ -127,8 +127,7 @@ class Offload:
         self._threads: anyio.CapacityLimiter | None = None
 
     def start(self) -> None:
-        """Start every worker now (they import `warm` meanwhile): the first calls do not pay
-        for it within their deadline."""
+        """Start every worker now; each imports `warm` before it takes its first call."""
         with self._lock:
             for w in self._all:
                 if not self._closed:
@@ -138,6 +137,7 @@ class Offload:
         if self._slots is None or self._threads is None:
             self._slots = anyio.CapacityLimiter(self.workers)
             self._threads = anyio.CapacityLimiter(self.workers)
+            self.start()  # all at the first call: a service that is never asked pays nothing
         end = time.monotonic() + self.deadline_s
         with anyio.move_on_after(self.deadline_s) as waited:
             await self._slots.acquire()

@@ -80,7 +80,7 @@ def test_a_recommend_past_the_deadline_is_503_and_its_worker_is_replaced(short: 
     with short.client() as api:
         warm(api, 1)
         before = {p.pid for p in compute_workers(short)}
-        assert len(before) == 1  # started with the service (FAILBENCH_COMPUTE_WORKERS)
+        assert len(before) == 1  # FAILBENCH_COMPUTE_WORKERS
         r = api.get("/v1/recommend", params=WORST)
         assert r.status_code == 503, r.text
         assert "deadline of 2 s" in r.json()["detail"] and r.headers["Retry-After"]
