@@ -19,6 +19,9 @@ Goals (each reported with the numbers measured, the goal, and whether it was met
    outage (a cut proxy) while experiments train: 0 lost, 0 duplicated (counted per key in the
    database), and the restarted service process's RSS, threads and open files, idle after each
    phase, at the end within 10% of the start.
+8. health under the worst requests (`bench/health.py`, issue 16): every `/healthz` within 100 ms
+   while 8 concurrent recommends of the costliest question run; then a SIGTERM to the busy
+   service exits within 10 s, leaving no process.
 
 Ray and the project's runner are imported inside functions: the plain loop's spawned processes
 import this module (it is `__main__`) and must not pay for Ray.
@@ -53,6 +56,7 @@ from bench.common import (
     status_of,
     timed_command,
 )
+from bench.health import goal_api_health
 from bench.monitoring import goal_metrics_overhead
 from bench.peers import goal_dcp_peer, goal_ray_train
 from bench.procs import ForeignCpu, wait_for_no_children
@@ -606,6 +610,17 @@ def _api_load_text(m: dict[str, Any]) -> str:
     )
 
 
+def _api_health_text(m: dict[str, Any]) -> str:
+    return (
+        f"{m.get('health_samples')} health answers while 8 worst recommends ran: p50 "
+        f"{_ms(m.get('health_p50_s'))}, p99 {_ms(m.get('health_p99_s'))}, max "
+        f"{_ms(m.get('health_max_s'))}, not 200: {len(m.get('health_not_200', []))}; "
+        f"recommends {m.get('recommend_codes')}; SIGTERM exit {m.get('sigterm_exit_s', 0):.1f} s"
+        f" (code {m.get('exit_code')}, {m.get('processes_left')} processes left) "
+        "(goal max <= 100 ms, exit <= 10 s)"
+    )
+
+
 def _soak_text(m: dict[str, Any]) -> str:
     s = m.get("service", {})
     a, b, r = s.get("start", {}), s.get("end", {}), s.get("ratios", {})
@@ -661,6 +676,7 @@ _MECHANISM_TEXTS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
     ("dcp_peer", _dcp_peer_text),
     ("metrics_overhead", _metrics_overhead_text),
     ("api_load", _api_load_text),
+    ("api_health", _api_health_text),
     ("soak", _soak_text),
     ("paper_matrix", _paper_matrix_text),
     ("pool_leaks", _pool_leaks_text),
@@ -815,6 +831,12 @@ def _local_goal_rows(cfg: BenchConfig, tmp: Path) -> list[_GoalRow]:
             "POST+GET /v1/experiments, 50 clients: >= 300 req/s, p99 <= 100 ms at 300 req/s",
             False,
             lambda env: goal_api_load(tmp, cfg.quick),
+        ),
+        (
+            "api_health",
+            "/healthz within 100 ms while 8 worst recommends run; SIGTERM exits within 10 s",
+            False,
+            lambda env: goal_api_health(tmp, cfg.quick),
         ),
         (
             "soak",
