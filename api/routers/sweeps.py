@@ -4,13 +4,18 @@ baselines; here dispatchers run the cells."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, status
+from typing import Any, cast
+
+from fastapi import APIRouter, HTTPException, status
+from pydantic import ValidationError
 
 from api import schemas
 from api.deps import Config, Db, Reader, Writer
 from api.responses import check_caps, known_id, no_nul, unprocessable
+from api.settings import Settings
 from failbench_ray import sweep as sw
 from failbench_ray.errors import SpecError
+from failbench_ray.spec import ExperimentSpec
 from failbench_ray.storage import repo
 from failbench_ray.storage.status import CellStatus, cell_counts, cell_status_of, sweep_status_of
 
@@ -36,6 +41,7 @@ def submit_sweep(sweep: sw.SweepSpec, db: Db, settings: Config) -> schemas.Sweep
             "(FAILBENCH_MAX_SWEEP_CELLS): split the grid into smaller sweeps",
             "cap",
         )
+    _check_values(sweep, settings)
     try:
         cells = sw.expand(sweep)
     except SpecError as err:
@@ -49,6 +55,30 @@ def submit_sweep(sweep: sw.SweepSpec, db: Db, settings: Config) -> schemas.Sweep
         experiments=[{"key": k, "experiment_id": i} for k, i in got.queued],
         skipped=[{"key": k, "reason": why} for k, why in got.skipped],
     )
+
+
+# The spec fields the operator's caps bound (api/responses.py check_caps)
+_CAPPED = ("world_size", "steps", "trials", "batch_size", "threads_per_worker", "model")
+
+
+def _check_values(sweep: sw.SweepSpec, settings: Settings) -> None:
+    """Every value a capped field takes (in `base` or on a grid axis) against its cap, before
+    any cell is built: building one checks it against its architecture, at a cost that grows
+    with the value (a pipeline lists the micro-batch counts that fit a batch of 10^9)."""
+    axes = sweep.grid.extra_axes()
+    for field in _CAPPED:
+        values = axes.get(field, [sweep.base[field]] if field in sweep.base else [])
+        for value in values:
+            try:
+                alone = ExperimentSpec.model_validate({field: value})
+            except ValidationError:
+                continue  # not a value of the field at all: its cell is skipped, saying why
+            try:
+                check_caps(alone, settings)
+            except HTTPException as err:  # said of the sweep's own field, not a spec's
+                (said,) = cast(list[dict[str, Any]], err.detail)
+                where = ["body", "grid" if field in axes else "base", field]
+                raise unprocessable(where, said["msg"], said["type"]) from None
 
 
 @router.get("/{sweep_id}", response_model=schemas.SweepOut, dependencies=Reader)
