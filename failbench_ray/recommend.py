@@ -21,9 +21,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from failbench_ray.errors import UsageError
 from failbench_ray.reliability import Profile, expected_ratio, interval, no_checkpoint_ratio
-from failbench_ray.simulator import FAILURE_BUDGET, Failures, summarize
+from failbench_ray.simulator import FAILURE_BUDGET, STEP_BUDGET, Failures, summarize
 
 GB = 1 << 30
+MIN_MTBF_HOURS = 1e-3  # below, denormal rates divided by zero and overflowed in the model
 
 
 @dataclass(frozen=True)
@@ -64,22 +65,25 @@ PRESETS: dict[str, Preset] = {
 class Question(BaseModel):
     """What `recommend` is asked (the CLI's flags, the API's query). Every number that sizes
     the work is bounded, so no question costs more than `FAILURE_BUDGET` simulated failures
-    per mechanism."""
+    and `STEP_BUDGET` steps per mechanism."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     architecture: str
+    # Lower bounds too: denormal floats (5e-324) divided by zero and overflowed in the model.
     state_gb: float = Field(
-        gt=0, le=1_000_000, description="Training state (model + optimizer) in GB."
+        ge=1e-6, le=1_000_000, description="Training state (model + optimizer) in GB."
     )
     world: int = Field(ge=1, le=1_048_576, description="Workers (ranks).")
     mtbf_hours: float | None = Field(
-        None, le=10_000_000, description="One worker's MTBF, hours (positive: `_check`)."
+        None, le=10_000_000, description="One worker's MTBF, hours (at least 0.001: `_check`)."
     )
     preset: str | None = None
-    step_s: float = Field(1.0, gt=0, le=86_400, description="Time of one training step, seconds.")
+    step_s: float = Field(
+        1.0, ge=1e-3, le=86_400, description="Time of one training step, seconds."
+    )
     job_days: float = Field(
-        30.0, gt=0, le=3_650, description="Failure-free length of the job, days."
+        30.0, ge=1e-3, le=3_650, description="Failure-free length of the job, days."
     )
     correlated: float = Field(
         0.01, ge=0, le=1, description="Share of failures that also take other nodes' memory."
@@ -277,8 +281,10 @@ def _check(q: Question) -> None:
         raise UsageError("give exactly one of --mtbf-hours and --preset")
     if q.preset is not None and q.preset not in PRESETS:
         raise UsageError(f"unknown preset {q.preset!r}; choose one of {', '.join(PRESETS)}")
-    if q.mtbf_hours is not None and not q.mtbf_hours > 0:
-        raise UsageError(f"--mtbf-hours must be positive (got {q.mtbf_hours:g})")
+    if q.mtbf_hours is not None and not q.mtbf_hours >= MIN_MTBF_HOURS:
+        raise UsageError(
+            f"--mtbf-hours must be at least {MIN_MTBF_HOURS:g} (3.6 s) (got {q.mtbf_hours:g})"
+        )
 
 
 def _ranked(q: Question, p: Profile, job_s: float, job_mtbf_s: float) -> dict[str, Any]:
@@ -297,12 +303,21 @@ def _ranked(q: Question, p: Profile, job_s: float, job_mtbf_s: float) -> dict[st
             "runs": got.runs,
             "cut_short": got.cut_short,
         }
-        if got.cut_short:
-            sim["note"] = (
-                f"{got.cut_short} of {got.runs} runs stopped after their share of "
+        by_failures = got.cut_short - got.out_of_steps
+        notes = []
+        if by_failures:
+            notes.append(
+                f"{by_failures} of {got.runs} runs stopped after their share of "
                 f"{FAILURE_BUDGET:,} failures before the job was done: failures come about as "
-                "fast as the job progresses, and the ratio is that of the time simulated"
+                "fast as the job progresses"
             )
+        if got.out_of_steps:
+            notes.append(
+                f"{got.out_of_steps} of {got.runs} runs stopped after their share of "
+                f"{STEP_BUDGET:,} simulated saves and failures before the job was done"
+            )
+        if notes:
+            sim["note"] = "; ".join(notes) + "; the ratio is that of the time simulated"
     return {
         "mechanism": p.mechanism,
         "expected_ratio": ratio,

@@ -39,6 +39,11 @@ class Failures:
 # recovery longer than the time between failures) it would never end; a run cut short reports
 # the useful share of the time it simulated, and says so (`finished`).
 MAX_FAILURES = 20_000
+# Steps (saves, failures, skipped stretches) one run takes at most. Failures are bounded above,
+# but a job much longer than its save interval takes a step per save it cannot skip (a
+# fallback's saves stop `skip_cycles` at each): a million-worker job of ten years took over a
+# minute. A run cut short here says so, as above.
+MAX_STEPS = 200_000
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ class SimResult:
     cascades: int  # failures during a recovery
     work_s: float = 0.0  # work done (job_s unless cut short)
     finished: bool = True  # False: stopped after `max_failures` before the job was done
+    out_of_steps: bool = False  # stopped by `max_steps` (not by the failures)
 
 
 def simulate(
@@ -59,18 +65,24 @@ def simulate(
     world: int,
     seed: int = 0,
     max_failures: int = MAX_FAILURES,
+    max_steps: int = MAX_STEPS,
 ) -> SimResult:
     """One run of a job of `job_s` seconds of work on `world` workers (at most `max_failures`
-    failures of it)."""
+    failures of it, and `max_steps` steps)."""
     sim = _Sim.start(p, failures, job_s, world, seed)
     sim.max_failures = max_failures
-    while sim.work < job_s and sim.n_fail < max_failures:
+    steps = 0
+    while sim.work < job_s and sim.n_fail < max_failures and steps < max_steps:
+        steps += 1
         sim.skip_cycles()
         if sim.advance():  # a failure at sim.t: roll back, then recover
             sim.fail()
     t, work = sim.t, min(sim.work, job_s)
     ratio = work / t if t > 0 else 1.0
-    return SimResult(ratio, t, sim.n_fail, sim.n_fb, sim.n_cascade, work, work >= job_s)
+    done = work >= job_s
+    return SimResult(
+        ratio, t, sim.n_fail, sim.n_fb, sim.n_cascade, work, done, not done and steps >= max_steps
+    )
 
 
 @dataclass
@@ -240,12 +252,14 @@ class SimSummary:
     ratio: float  # total work over total wall time of the runs
     ci95: float  # half-width of its 95% bootstrap interval
     runs: int
-    cut_short: int  # runs stopped after their failure budget, before the job was done
+    cut_short: int  # runs stopped after their failure or step budget, before the job was done
+    out_of_steps: int = 0  # of those, the ones stopped by the step budget
 
 
 # Failures all the runs of one `simulate_many` play at most, shared out among them: what one
 # question to `recommend` may cost, whatever it asks.
 FAILURE_BUDGET = 20_000
+STEP_BUDGET = 400_000  # likewise for steps (MAX_STEPS)
 
 
 def summarize(
@@ -254,7 +268,8 @@ def summarize(
     """`runs` seeded runs: useful / wall time (total work over total wall time, which is what
     the formulas give), its 95% bootstrap interval, and how many runs were cut short."""
     each = max(1, FAILURE_BUDGET // max(runs, 1))
-    got = [simulate(p, failures, job_s, world, seed + i, each) for i in range(runs)]
+    steps = max(1, STEP_BUDGET // max(runs, 1))
+    got = [simulate(p, failures, job_s, world, seed + i, each, steps) for i in range(runs)]
     pairs = [(r.work_s, r.wall_s) for r in got]
 
     def ratio(sample: list[tuple[float, float]]) -> float:
@@ -263,7 +278,8 @@ def summarize(
     rng = random.Random(seed)
     boot = sorted(ratio([rng.choice(pairs) for _ in pairs]) for _ in range(200))
     cut = sum(not r.finished for r in got)
-    return SimSummary(ratio(pairs), (boot[194] - boot[4]) / 2, runs, cut)
+    out = sum(r.out_of_steps for r in got)
+    return SimSummary(ratio(pairs), (boot[194] - boot[4]) / 2, runs, cut, out)
 
 
 def simulate_many(

@@ -23,13 +23,14 @@ from failbench_ray.storage import repo
 from failbench_ray.storage.db import Database
 from tests.service import Server
 
-# The costliest question this machine has found (seconds of CPU), within the Question bounds.
+# The costliest question found within the Question bounds: about 1.1 s of CPU here, quiet.
 WORST: dict[str, Any] = {
-    "architecture": "fsdp",
+    "architecture": "hybrid",
     "state_gb": 1,
-    "world": 8,
-    "mtbf_hours": 100,
+    "world": 1_048_576,
+    "mtbf_hours": 1e7,
     "job_days": 3650,
+    "simulate_runs": 200,
 }
 CHEAP: dict[str, Any] = {"architecture": "ddp", "state_gb": 1, "world": 8, "mtbf_hours": 1000}
 TINY: dict[str, Any] = {
@@ -48,9 +49,9 @@ def compute_workers(srv: Server) -> list[psutil.Process]:
 
 @pytest.fixture(scope="module")
 def short(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """A server whose requests have 2 s (the worst recommend takes longer), one worker."""
+    """A server whose requests have 0.5 s (the worst recommend takes longer), one worker."""
     cwd = tmp_path_factory.mktemp("deadline")
-    env = {"FAILBENCH_REQUEST_TIMEOUT_S": "2", "FAILBENCH_COMPUTE_WORKERS": "1"}
+    env = {"FAILBENCH_REQUEST_TIMEOUT_S": "0.5", "FAILBENCH_COMPUTE_WORKERS": "1"}
     srv = Server(cwd, f"sqlite:///{cwd / 'fb.db'}", env=env)
     try:
         srv.wait_up()
@@ -70,7 +71,9 @@ def warm(api: httpx.Client, workers: int) -> None:
             if answered == workers:
                 return
             continue
-        assert "still starting" in r.text, r.text
+        # still starting; or, on a loaded machine, even this ran past 0.5 s (its worker is
+        # replaced: the next try waits for the new one)
+        assert "still starting" in r.text or "deadline" in r.text, r.text
         answered = 0
         time.sleep(0.5)
     raise AssertionError("the compute workers never became ready")
@@ -83,7 +86,7 @@ def test_a_recommend_past_the_deadline_is_503_and_its_worker_is_replaced(short: 
         assert len(before) == 1  # FAILBENCH_COMPUTE_WORKERS
         r = api.get("/v1/recommend", params=WORST)
         assert r.status_code == 503, r.text
-        assert "deadline of 2 s" in r.json()["detail"] and r.headers["Retry-After"]
+        assert "deadline of 0.5 s" in r.json()["detail"] and r.headers["Retry-After"]
         after = {p.pid for p in compute_workers(short)}
         # the one that ran it was killed, not left to finish unseen; a successor took its place
         assert len(before - after) == 1 and len(after) == 1, (before, after)

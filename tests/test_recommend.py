@@ -13,6 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from failbench_ray import reliability as rel
+from failbench_ray.errors import UsageError
 from failbench_ray.recommend import PRESETS, Question, measured_costs, recommend
 from failbench_ray.results import ExperimentResult
 from failbench_ray.simulator import Failures, simulate, simulate_many
@@ -179,11 +180,11 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
         ),
         (
             ["--architecture", "ddp", "--world", "8", "--mtbf-hours", "0"],
-            "--mtbf-hours must be positive (got 0)",
+            "--mtbf-hours must be at least 0.001 (3.6 s) (got 0)",
         ),
         (
             ["--architecture", "ddp", "--world", "8", "--mtbf-hours", "-3"],
-            "--mtbf-hours must be positive (got -3)",
+            "--mtbf-hours must be at least 0.001 (3.6 s) (got -3)",
         ),
         (
             ["--architecture", "ddp", "--world", "1", "--mtbf-hours", "1000"],
@@ -232,7 +233,7 @@ def test_a_question_whose_failures_outrun_every_recovery_ends_and_says_so() -> N
     assert all("before the job was done" in s["note"] and 0 <= s["ratio"] < 1 for s in sims)
     # the largest question allowed is bounded too, formulas included (exp() overflowed)
     worst = Question(
-        architecture="ddp", state_gb=1e6, world=1_048_576, mtbf_hours=1e-4, simulate_runs=200
+        architecture="ddp", state_gb=1e6, world=1_048_576, mtbf_hours=1e-3, simulate_runs=200
     )
     assert all(r["expected_ratio"] == 0.0 for r in recommend(worst)["ranking"])
 
@@ -243,11 +244,42 @@ def test_a_short_run_of_the_simulator_is_cut_short_not_endless() -> None:
     assert (r.finished, r.failures) == (False, 500) and r.work_s < MONTH and 0 <= r.ratio < 0.01
     done = simulate(DISK, Failures(HOUR), MONTH, world=64, seed=1)
     assert done.finished and done.work_s == MONTH
+    # failures bounded is not enough: a long job with rare failures steps through every save
+    steps = simulate(DISK, Failures(HOUR), MONTH, world=64, seed=1, max_steps=10)
+    assert (steps.finished, steps.out_of_steps) == (False, True) and steps.work_s < MONTH
+
+
+def test_an_mtbf_below_the_floor_is_refused_with_what_to_change() -> None:
+    q = Question(architecture="ddp", state_gb=1, world=8, mtbf_hours=5e-324)
+    with pytest.raises(UsageError, match=r"--mtbf-hours must be at least 0.001"):
+        recommend(q)
+
+
+def test_a_job_of_many_saves_and_few_failures_is_bounded_and_says_so() -> None:
+    """Found by the API fuzz with the registered names: a million workers rarely failing
+    over ten years ran for over a minute (a step per fallback save); now the step budget."""
+    q = Question(
+        architecture="hybrid", state_gb=1, world=1_048_576, mtbf_hours=1e7, job_days=3650,
+        simulate_runs=200,
+    )  # fmt: skip
+    sims = [r["simulated"] for r in recommend(q)["ranking"] if r["simulated"]]
+    assert sims and all(0 <= s["ratio"] <= 1 for s in sims)
+    cut = [s for s in sims if s["cut_short"]]
+    assert all("before the job was done" in s["note"] for s in cut)
 
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("world", 1_048_577), ("state_gb", float("inf")), ("job_days", 1e9), ("step_s", float("nan"))],
+    [
+        ("world", 1_048_577),
+        ("state_gb", float("inf")),
+        ("job_days", 1e9),
+        ("step_s", float("nan")),
+        # denormals divided by zero, and overflowed, in the model (the API fuzz)
+        ("state_gb", 5e-324),
+        ("job_days", 5e-324),
+        ("step_s", 1.1e-308),
+    ],
 )
 def test_every_number_that_sizes_the_work_is_bounded(field: str, value: float) -> None:
     base = {"architecture": "ddp", "state_gb": 1, "world": 8, "mtbf_hours": 1.0}
