@@ -32,48 +32,57 @@ WORST: dict[str, str | int | float] = {
 }
 
 
+def _warm(srv: Server) -> None:
+    """The compute workers start at the first question: not part of what is measured."""
+    small: dict[str, str | int | float] = {**WORST, "simulate_runs": 0}
+    for _ in range(60):
+        if httpx.get(f"{srv.url}/v1/recommend", params=small, timeout=60).status_code == 200:
+            return
+        time.sleep(0.5)
+
+
+def _ask_until(srv: Server, stop: threading.Event, codes: list[int]) -> None:
+    """The worst question, again as soon as it is answered, until `stop`."""
+    with httpx.Client(timeout=120) as c:
+        while not stop.is_set():
+            codes.append(c.get(f"{srv.url}/v1/recommend", params=WORST).status_code)
+
+
+def _health(srv: Server, duration: float) -> tuple[list[float], list[int]]:
+    """Seconds each `/healthz` took, every 50 ms for `duration`, and any status but 200."""
+    health: list[float] = []
+    bad: list[int] = []
+    end = time.monotonic() + duration
+    with httpx.Client(timeout=30) as c:
+        while time.monotonic() < end:
+            t0 = time.perf_counter()
+            r = c.get(f"{srv.url}/healthz")
+            health.append(time.perf_counter() - t0)
+            if r.status_code != 200:
+                bad.append(r.status_code)
+            time.sleep(0.05)
+    return health, bad
+
+
 def goal_api_health(tmp: Path, quick: bool) -> dict[str, Any]:
-    duration = 10.0 if quick else 30.0
     cwd = tmp / "api_health"
     cwd.mkdir(parents=True, exist_ok=True)
     srv = Server(cwd, f"sqlite:///{cwd / 'fb.db'}")
     codes: list[int] = []
-    answered_s: list[float] = []
     stop = threading.Event()
     try:
         srv.wait_up()
-        # the compute workers start at the first question: not part of what is measured
-        small: dict[str, str | int | float] = {**WORST, "simulate_runs": 0}
-        for _ in range(60):
-            if httpx.get(f"{srv.url}/v1/recommend", params=small, timeout=60).status_code == 200:
-                break
-            time.sleep(0.5)
-
-        def ask() -> None:
-            with httpx.Client(timeout=120) as c:
-                while not stop.is_set():
-                    t0 = time.perf_counter()
-                    codes.append(c.get(f"{srv.url}/v1/recommend", params=WORST).status_code)
-                    answered_s.append(time.perf_counter() - t0)
-
-        askers = [threading.Thread(target=ask, daemon=True) for _ in range(ASKERS)]
+        _warm(srv)
+        askers = [
+            threading.Thread(target=_ask_until, args=(srv, stop, codes), daemon=True)
+            for _ in range(ASKERS)
+        ]
         for t in askers:
             t.start()
         time.sleep(1.0)  # all eight in flight
-        health: list[float] = []
-        bad: list[int] = []
-        end = time.monotonic() + duration
-        with httpx.Client(timeout=30) as c:
-            while time.monotonic() < end:
-                t0 = time.perf_counter()
-                r = c.get(f"{srv.url}/healthz")
-                health.append(time.perf_counter() - t0)
-                if r.status_code != 200:
-                    bad.append(r.status_code)
-                time.sleep(0.05)
+        health, bad = _health(srv, 10.0 if quick else 30.0)
         stop.set()
-        # the stop, with the recommends still in flight
-        t0 = time.monotonic()
+        t0 = time.monotonic()  # the stop, with the recommends still in flight
         os.kill(srv.pid, signal.SIGTERM)
         srv.proc.wait(timeout=60)
         stop_s = time.monotonic() - t0
@@ -82,7 +91,6 @@ def goal_api_health(tmp: Path, quick: bool) -> dict[str, Any]:
         left = session_processes(srv.pid)
     finally:
         srv.stop()
-    q = statistics.quantiles(health, n=100)
     met = max(health) <= GOAL_S and not bad and stop_s <= STOP_GOAL_S and not left
     return {
         "goal": f"every /healthz within {GOAL_S * 1e3:.0f} ms while {ASKERS} worst recommends "
@@ -91,11 +99,10 @@ def goal_api_health(tmp: Path, quick: bool) -> dict[str, Any]:
         "status": "met" if met else "not met",
         "health_samples": len(health),
         "health_p50_s": statistics.median(health),
-        "health_p99_s": q[98],
+        "health_p99_s": statistics.quantiles(health, n=100)[98],
         "health_max_s": max(health),
         "health_not_200": bad,
         "recommend_codes": {str(k): codes.count(k) for k in sorted(set(codes))},
-        "recommend_p50_s": statistics.median(answered_s) if answered_s else None,
         "sigterm_exit_s": stop_s,
         "exit_code": srv.proc.returncode,
         "processes_left": len(left),

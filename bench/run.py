@@ -797,6 +797,31 @@ def _ray_goal_rows(cfg: BenchConfig) -> list[_GoalRow]:
     ]
 
 
+def _service_goal_rows(cfg: BenchConfig, tmp: Path) -> list[_GoalRow]:
+    """The goals of `failbench serve` (each starts its own)."""
+    return [
+        (
+            "api_load",
+            "POST+GET /v1/experiments, 50 clients: >= 300 req/s, p99 <= 100 ms at 300 req/s",
+            False,
+            lambda env: goal_api_load(tmp, cfg.quick),
+        ),
+        (
+            "api_health",
+            "/healthz within 100 ms while 8 worst recommends run; SIGTERM exits within 10 s",
+            False,
+            lambda env: goal_api_health(tmp, cfg.quick),
+        ),
+        (
+            "soak",
+            "service soak, 4 dispatchers on PostgreSQL, a SIGKILL and a database outage: 0 lost, "
+            "0 duplicated, RSS/threads/open files flat within 10%",
+            False,
+            lambda env: goal_soak(tmp, cfg.quick),
+        ),
+    ]
+
+
 def _local_goal_rows(cfg: BenchConfig, tmp: Path) -> list[_GoalRow]:
     """The goals measured outside the shared Ray cluster (some start their own), in order."""
     from bench import mechanisms as mech
@@ -826,25 +851,7 @@ def _local_goal_rows(cfg: BenchConfig, tmp: Path) -> list[_GoalRow]:
             False,
             lambda env: goal_make_run(tmp, cfg),
         ),
-        (
-            "api_load",
-            "POST+GET /v1/experiments, 50 clients: >= 300 req/s, p99 <= 100 ms at 300 req/s",
-            False,
-            lambda env: goal_api_load(tmp, cfg.quick),
-        ),
-        (
-            "api_health",
-            "/healthz within 100 ms while 8 worst recommends run; SIGTERM exits within 10 s",
-            False,
-            lambda env: goal_api_health(tmp, cfg.quick),
-        ),
-        (
-            "soak",
-            "service soak, 4 dispatchers on PostgreSQL, a SIGKILL and a database outage: 0 lost, "
-            "0 duplicated, RSS/threads/open files flat within 10%",
-            False,
-            lambda env: goal_soak(tmp, cfg.quick),
-        ),
+        *_service_goal_rows(cfg, tmp),
         (
             "paper_matrix",
             "the paper matrix < 20 min",

@@ -53,6 +53,12 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run.add_argument("--keep-checkpoints", action="store_true", help="keep checkpoint files")
     run.add_argument("-v", "--verbose", action="store_true", help="show the workers' logs")
     run.add_argument("--fresh-workers", action="store_true", help=_FRESH_HELP)
+    run.add_argument(
+        "--db-retry-s",
+        type=float,
+        default=30.0,
+        help="how long the run's writes retry while the database is unreachable (30)",
+    )
 
 
 def _add_sweep(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -220,6 +226,8 @@ def _usage(message: str) -> Exception:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import OperationalError
+
     from failbench_ray import runtime
     from failbench_ray.checks import resolve
     from failbench_ray.runner import baseline_spec, run_experiment
@@ -244,11 +252,14 @@ def _run(args: argparse.Namespace) -> int:
                 progress=progress,
                 on_created=created.append,
                 reuse_workers=not args.fresh_workers,
+                db_retry_s=args.db_retry_s,
             )
     except KeyboardInterrupt:
         which = f"experiment {created[0]}" if created else "the experiment"
         err.print(f"interrupted: every actor stopped; {which} is marked interrupted")
         return EXIT_INTERRUPTED
+    except OperationalError:
+        raise _database_lost(db, created, args.db_retry_s) from None
     finally:
         if started:
             import ray
@@ -257,6 +268,39 @@ def _run(args: argparse.Namespace) -> int:
         db.dispose()
         sys.stdout = result_out
     return _report(result.model_dump(mode="json"), args.json)
+
+
+_LOST_DB_WAIT_S = 300.0
+
+
+def _database_lost(db: Any, created: list[str], retry_s: float) -> Exception:
+    """The database stayed down past the run's retries: the run is over. Its row would say
+    `running` for ever: wait a while longer for the database to mark it failed."""
+    from failbench_ray.errors import DatabaseError
+    from failbench_ray.runner import mark_database_lost
+
+    where = db.display_url
+    if not created:
+        return DatabaseError(f"{where} became unreachable before the run was stored")
+    exp_id = created[0]
+    err.print(
+        f"the database at {where} stayed unreachable for more than {retry_s:g} s: the run "
+        f"stopped. Waiting up to {_LOST_DB_WAIT_S:g} s more to mark experiment {exp_id} "
+        "failed (Ctrl-C to give up)"
+    )
+    try:
+        marked = mark_database_lost(db, exp_id, retry_s, _LOST_DB_WAIT_S)
+    except KeyboardInterrupt:
+        marked = False
+    if marked:
+        return DatabaseError(
+            f"{where} was unreachable for more than {retry_s:g} s during the run; experiment "
+            f"{exp_id} is marked failed: run the spec again (--db-retry-s waits longer)"
+        )
+    return DatabaseError(
+        f"{where} is still unreachable; experiment {exp_id} stays 'running' there: run the "
+        "spec again once it is back"
+    )
 
 
 def _after_cell(

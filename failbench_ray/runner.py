@@ -124,6 +124,24 @@ def run_experiment(
     return _finish(db, exp_id, exp_dir, ok, guard, runner.db_retry_s)
 
 
+def mark_database_lost(db: Database, exp_id: str, retry_s: float, wait_s: float) -> bool:
+    """A run (not a dispatcher's) whose writes outlasted `retry_s` of an outage: mark its
+    experiment failed, saying so, once the database answers within `wait_s`. False: it did
+    not, and the row still says `running`."""
+    reason = (
+        f"the database stayed unreachable for more than {retry_s:g} s during the run, so "
+        "its later records were not stored: run the spec again"
+    )
+    try:
+        db.write(
+            lambda s: repo.set_experiment_status(s, exp_id, ExperimentStatus.FAILED, error=reason),
+            retry_s=wait_s,
+        )
+    except OperationalError:
+        return False
+    return True
+
+
 def _experiment_row(
     db: Database, spec: ExperimentSpec, experiment_id: str | None, guard: Callable[[Session], None]
 ) -> str:

@@ -302,7 +302,7 @@ def test_recommend_answers_like_the_cli_and_refuses_bad_questions(api: httpx.Cli
     assert body["question"]["world"] == 64
     for bad, says in [
         ({**q, "world": 1}, "--world must be at least 2"),
-        ({**q, "mtbf_hours": 0}, "--mtbf-hours must be positive"),
+        ({**q, "mtbf_hours": 0}, "--mtbf-hours must be at least 0.001"),
         ({**q, "architecture": "resnet"}, "unknown architecture 'resnet'"),
         ({**q, "bogus": 1}, "bogus"),
     ]:

@@ -13,7 +13,9 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
-from failbench_ray.runner import run_experiment
+from failbench_ray import cli
+from failbench_ray.errors import DatabaseError
+from failbench_ray.runner import mark_database_lost, run_experiment
 from failbench_ray.spec import parse_spec
 from failbench_ray.storage import queue, repo
 from failbench_ray.storage.db import Database
@@ -33,11 +35,15 @@ SPEC = {
 OUTAGE_S = 6.0  # longer than what is left of the trial once it starts: its writes hit it
 
 
-def _run_through_an_outage(url: str, tmp: Path, retry_s: float) -> str:
-    """Run SPEC with the database cut from step 2 for OUTAGE_S; the experiment's status."""
+def _run_through_an_outage(
+    url: str, tmp: Path, retry_s: float, created: list[str] | None = None
+) -> str:
+    """Run SPEC with the database cut from step 2 for OUTAGE_S; the experiment's status.
+    Where the run gives up, a CLI run's handling of that (`_database_lost`) is checked."""
     proxy = Proxy(("127.0.0.1", 5432))
     db = Database(url.replace(":5432/", f":{proxy.port}/"))
     cut = threading.Event()
+    created = [] if created is None else created
 
     def at_step(label: str, step: int, total: int) -> None:
         if step >= 2 and not cut.is_set():
@@ -46,9 +52,18 @@ def _run_through_an_outage(url: str, tmp: Path, retry_s: float) -> str:
             threading.Timer(OUTAGE_S, proxy.restore).start()
 
     try:
-        result = run_experiment(
-            parse_spec(SPEC), db=db, out_dir=tmp, progress=at_step, db_retry_s=retry_s
-        )
+        try:
+            result = run_experiment(
+                parse_spec(SPEC),
+                db=db,
+                out_dir=tmp,
+                progress=at_step,
+                db_retry_s=retry_s,
+                on_created=created.append,
+            )
+        except OperationalError:
+            _check_a_cli_run_marks_it_failed(db, created[0], retry_s)
+            raise
     finally:
         db.dispose()
         proxy.close()
@@ -56,12 +71,25 @@ def _run_through_an_outage(url: str, tmp: Path, retry_s: float) -> str:
     return result.status
 
 
+def _check_a_cli_run_marks_it_failed(db: Database, exp_id: str, retry_s: float) -> None:
+    """The run gave up with the database still cut: its row would say `running` for ever.
+    Still down: it cannot be marked (and says so). Back (the proxy restores within
+    OUTAGE_S): the CLI's handler marks it failed, and says what to do."""
+    assert not mark_database_lost(db, exp_id, retry_s, wait_s=0.2)
+    err = cli._database_lost(db, [exp_id], retry_s)
+    assert isinstance(err, DatabaseError) and f"experiment {exp_id} is marked failed" in str(err)
+    with db.session() as s:
+        row = repo.get_experiment(s, exp_id)
+        assert row.status == "failed" and "database stayed unreachable" in (row.error or "")
+
+
 @pytest.mark.postgres
 @pytest.mark.usefixtures("no_leaks")
 def test_an_outage_shorter_than_the_retry_window_costs_the_run_nothing(tmp_path: Path) -> None:
     with fresh_pg_database() as url:
         assert _run_through_an_outage(url, tmp_path / "a", retry_s=30) == "completed"
-        # the same outage without retries: the trial's results are lost with the write
+        # the same outage without retries: the trial's results are lost with the write, and
+        # the experiment is marked failed once the database is back (a CLI run's case)
         with pytest.raises(OperationalError):
             _run_through_an_outage(url, tmp_path / "b", retry_s=0)
 
