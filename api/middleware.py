@@ -16,6 +16,16 @@ from api.metrics import Metrics
 log = logging.getLogger("failbench.api")
 
 
+async def send_detail(send: Send, code: int, detail: str, retry_after: int | None = None) -> None:
+    """A whole JSON answer `{"detail": ...}` from a middleware (no app to render it)."""
+    body = json.dumps({"detail": detail}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if retry_after is not None:
+        headers.append((b"retry-after", str(retry_after).encode()))
+    await send({"type": "http.response.start", "status": code, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
 class _BodyTooLarge(Exception):
     pass
 
@@ -62,23 +72,11 @@ class BodyLimit:
                 await self._refuse(send)
 
     async def _refuse(self, send: Send) -> None:
-        body = json.dumps(
-            {
-                "detail": f"request body over the cap max_body_bytes={self.limit} (raise "
-                "FAILBENCH_MAX_BODY_BYTES)"
-            }
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status.HTTP_413_CONTENT_TOO_LARGE,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
+        detail = (
+            f"request body over the cap max_body_bytes={self.limit} (raise "
+            "FAILBENCH_MAX_BODY_BYTES)"
         )
-        await send({"type": "http.response.body", "body": body})
+        await send_detail(send, status.HTTP_413_CONTENT_TOO_LARGE, detail)
 
 
 class Timed:
@@ -167,19 +165,7 @@ class Deadline:
                 else ""
             )
         )
-        body = json.dumps({"detail": detail}).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status.HTTP_503_SERVICE_UNAVAILABLE,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"retry-after", b"2"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await send_detail(send, status.HTTP_503_SERVICE_UNAVAILABLE, detail, retry_after=2)
 
     def _ended(self, task: asyncio.Task[None]) -> None:
         self._unseen.discard(task)

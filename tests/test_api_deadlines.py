@@ -18,29 +18,14 @@ import httpx
 import psutil
 import pytest
 
+from bench.health import WORST
 from bench.serving import session_processes
 from failbench_ray.storage import repo
 from failbench_ray.storage.db import Database
 from tests.service import Server
+from tests.test_api import TINY
 
-# The costliest question found within the Question bounds: about 1.1 s of CPU here, quiet.
-WORST: dict[str, Any] = {
-    "architecture": "hybrid",
-    "state_gb": 1,
-    "world": 1_048_576,
-    "mtbf_hours": 1e7,
-    "job_days": 3650,
-    "simulate_runs": 200,
-}
 CHEAP: dict[str, Any] = {"architecture": "ddp", "state_gb": 1, "world": 8, "mtbf_hours": 1000}
-TINY: dict[str, Any] = {
-    "architecture": "ddp",
-    "world_size": 2,
-    "model": {"kind": "mlp", "input_dim": 8, "hidden_dim": 8, "depth": 1},
-    "steps": 4,
-    "batch_size": 4,
-    "mechanism": "none",
-}
 
 
 def compute_workers(srv: Server) -> list[psutil.Process]:
