@@ -218,6 +218,11 @@ class Architecture(ABC):
     # True when every rank trains its own full replica (gossip): the result reports how far
     # apart they ended. Sharded layouts also have one holder per shard, but nothing to compare.
     independent_replicas: ClassVar[bool] = False
+    # Modules the first trainer build of a process imports on its own: DDP, FSDP2, DTensor,
+    # pipelining and the parameter server's optimizer all pull in torch's compiler stack
+    # (`torch._dynamo`, about 0.8 s on a 2-core machine). A process preloads them as it starts
+    # where the spec asks for the fast re-formation (`ExperimentSpec.reform`).
+    preload: ClassVar[tuple[str, ...]] = ("torch._dynamo",)
 
     def continues_without_dead(self) -> bool:
         """True when training goes on without a dead rank (no barrier, no rollback): recovery
@@ -226,6 +231,12 @@ class Architecture(ABC):
 
     def exact_replay(self) -> bool:
         """True if replaying a step from the same state gives bit-identical results."""
+        return True
+
+    def commits_whole_batch(self) -> bool:
+        """True when a step that any rank completed trained every rank's share of its global
+        batch (the update waited for all of them): then a rank that died after contributing,
+        before it recorded the step, still trained its share."""
         return True
 
     def trainer(self, ctx: WorkerContext) -> Trainer:

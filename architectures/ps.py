@@ -255,5 +255,11 @@ class ParameterServer(Architecture):
         assert isinstance(self.params, PSParams)
         return self.params.mode == "sync"  # async order depends on arrival times
 
+    def commits_whole_batch(self) -> bool:
+        # sync: the server publishes a step once every worker pushed; it may die before a
+        # worker has pulled (and recorded) it. async applies each push on its own.
+        assert isinstance(self.params, PSParams)
+        return self.params.mode == "sync"
+
     def trainer(self, ctx: WorkerContext) -> Trainer:
         return ps_trainer(ctx)

@@ -9,12 +9,9 @@ and the steps lost. Goal: our best mechanism's recovery <= 0.15x Ray Train's.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import signal
 import statistics
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.common import ddp_spec, with_status
+from bench.ray_train import RayTrainJob, ray_train_recovery
 
 if TYPE_CHECKING:
     from bench.common import BenchConfig, Env
@@ -29,88 +27,6 @@ if TYPE_CHECKING:
 RAY_TRAIN_GOAL = 0.15
 STEPS, KILL_AT, INTERVAL = 30, 15, 10
 MODEL = {"kind": "mlp", "input_dim": 256, "hidden_dim": 1024, "depth": 3}
-
-
-def _train_loop(config: dict[str, Any]) -> None:
-    """Runs in each Ray Train worker: DDP on the same model and data as `ddp_spec`'s spec."""
-    import ray.train
-    import torch
-    from ray.train import Checkpoint
-    from ray.train.torch import prepare_model
-
-    from failbench_ray.models import build_model
-    from failbench_ray.spec import ModelSpec
-
-    torch.set_num_threads(1)
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    marks = Path(config["marks"])
-    model = prepare_model(build_model(ModelSpec.model_validate(MODEL), seed=0))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    start = 1
-    restored = ray.train.get_checkpoint()
-    if restored is not None:
-        with restored.as_directory() as d:
-            state = torch.load(Path(d) / "state.pt", weights_only=False)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        start = state["step"] + 1
-    gen = torch.Generator().manual_seed(1)
-    per_rank = config["batch_size"] // world
-    for step in range(start, config["steps"] + 1):
-        if step == KILL_AT and rank == 1 and restored is None:
-            (marks / "killed").write_text(json.dumps({"t": time.time(), "step": step}))
-            os.kill(os.getpid(), signal.SIGKILL)
-        x = torch.randn(per_rank, MODEL["input_dim"], generator=gen)
-        y = torch.randint(0, 10, (per_rank,), generator=gen)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if restored is not None and step == start and rank == 0:
-            (marks / "resumed").write_text(json.dumps({"t": time.time(), "from": start - 1}))
-        checkpoint = None
-        if step % config["interval"] == 0 and rank == 0:
-            d = tempfile.mkdtemp()
-            torch.save(
-                {"model": model.state_dict(), "opt": opt.state_dict(), "step": step},
-                Path(d) / "state.pt",
-            )
-            checkpoint = Checkpoint.from_directory(d)
-        ray.train.report({"step": step, "loss": loss.item()}, checkpoint=checkpoint)
-
-
-def ray_train_recovery(tmp: Path, world: int, index: int) -> dict[str, float]:
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    marks = tmp / f"ray-train-marks-{index}"
-    marks.mkdir(parents=True, exist_ok=True)
-    trainer = TorchTrainer(
-        _train_loop,
-        train_loop_config={
-            "marks": str(marks),
-            "steps": STEPS,
-            "interval": INTERVAL,
-            "batch_size": 64,
-        },
-        scaling_config=ScalingConfig(
-            num_workers=world, use_gpu=False, resources_per_worker={"CPU": 2 / world}
-        ),
-        run_config=RunConfig(
-            name=f"ray-train-{index}",
-            storage_path=str(tmp / "ray-train"),
-            failure_config=FailureConfig(max_failures=1),
-            checkpoint_config=CheckpointConfig(num_to_keep=2),
-        ),
-    )
-    trainer.fit()
-    killed = json.loads((marks / "killed").read_text())
-    resumed = json.loads((marks / "resumed").read_text())
-    return {
-        "recovery_s": resumed["t"] - killed["t"],
-        "lost_steps": killed["step"] - resumed["from"],
-    }
 
 
 def goal_ray_train(env: Env, cfg: BenchConfig) -> dict[str, Any]:
@@ -139,7 +55,8 @@ def goal_ray_train(env: Env, cfg: BenchConfig) -> dict[str, Any]:
             raise RuntimeError(f"{name}: {len(fs)} of {rounds} failures resumed")
         ours[name] = [f.phases.resumed_s for f in fs if f.phases.resumed_s is not None]
         lost[name] = [f.lost_steps or 0 for f in fs]
-    theirs = [ray_train_recovery(env.tmp, world, i) for i in range(rounds)]
+    job = RayTrainJob(world=world, model=MODEL, steps=STEPS, kill_rank=1, kill_at=KILL_AT)
+    theirs = [ray_train_recovery(env.tmp, job, f"peer-{i}") for i in range(rounds)]
     medians = {k: statistics.median(v) for k, v in ours.items()}
     best = min(medians, key=medians.__getitem__)
     ray_train = statistics.median(r["recovery_s"] for r in theirs)

@@ -531,6 +531,7 @@ def _print_tables(r: dict[str, Any]) -> None:
             f"quiesce {f['quiesce']}"
             + (f" ({f['quiesce_reason']})" if f.get("quiesce_reason") else "")
             + f", replacement {f.get('replacement') or '-'}"
+            + f", re-formation {spec.get('reform', 'standard')}"
             + (
                 f", interrupted by #{f['interrupted_by']}"
                 if f.get("interrupted_by") is not None
@@ -539,6 +540,29 @@ def _print_tables(r: dict[str, Any]) -> None:
         )
         ft.add_row(f"#{n}", *(_fmt(f["phases"][f"{p}_s"], 1, 3) for p in _PHASE_COLUMNS))
     out.print(ft)
+    _print_reform_parts(failures)
+
+
+def _print_reform_parts(failures: list[tuple[int, dict[str, Any]]]) -> None:
+    """Where re-formation's time went: each part's duration from the part before it (the
+    first from `quiesced`, the last, building the trainers, up to `reformed`)."""
+    from failbench_ray.reform_report import PART_SPANS, part_spans, startup_span
+    from failbench_ray.results import FailureResult
+
+    rt = Table(
+        title="re-formation, seconds in each part (quiesced -> reformed; start-up: a new "
+        "process's, inside replacement)"
+    )
+    rt.add_column("failure")
+    for col in PART_SPANS:
+        rt.add_column(col, justify="right")
+    rt.add_column("start-up", justify="right")
+    for n, (_, f) in enumerate(failures):
+        result = FailureResult.model_validate(f)
+        spans = part_spans(result)
+        row = [_fmt(spans[p], 1, 3) for p in PART_SPANS]
+        rt.add_row(f"#{n}", *row, _fmt(startup_span(result), 1, 3))
+    out.print(rt)
 
 
 _PHASE_COLUMNS = ("detected", "quiesced", "reformed", "restored", "resumed", "caught_up")

@@ -15,6 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -82,6 +83,16 @@ class AbortHandle:
         """Raise if a collective of this step did not complete."""
         if self._step_failed:
             raise CollectiveAborted(self.reason())
+
+    def skip(self, fallback: Any) -> torch.futures.Future:
+        """A collective this step does not launch (the handle failed before it): the step
+        fails with it, or its update would be applied from this rank's gradients alone (a long
+        backward lets the driver's abort land before the all-reduce is launched)."""
+        out: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            self._step_failed = True
+        out.set_result(fallback)
+        return out
 
     def watch(
         self, work: dist.Work, fallback: Any, on_success: Callable[[], Any]
@@ -185,10 +196,8 @@ class CanonicalAllReduceHook:
             offsets.append(off)
             off += g.numel()
         order = sorted(range(len(params)), key=lambda i: self.index[id(params[i])])
-        if self.handle.failed:
-            fut: torch.futures.Future = torch.futures.Future()
-            fut.set_result(buf)
-            return fut
+        if self.handle.failed:  # aborted during the backward: no all-reduce, no update
+            return self.handle.skip(buf)
         flat = torch.cat([grads[i].reshape(-1) for i in order]).div_(self.world)
         work = dist.all_reduce(flat, group=self.group, async_op=True)
 
@@ -227,48 +236,103 @@ def listen_on_interface_of(ip: str) -> None:
         os.environ.setdefault(var, interface)
 
 
+@dataclass(frozen=True)
+class JoinTimes:
+    """When (`time.time()`) each part of one rank's join into a new generation ended: the
+    driver takes, for each part, the latest over the ranks (a part ends when it is done on
+    every rank)."""
+
+    started: float  # the rank began to join (its call arrived)
+    arrived: float  # every member had reached the store: the store rendezvous
+    connected: float  # this rank's process group was built (its connections to the peers made)
+    collective: float  # the new group's first collective completed
+    built: float = 0.0  # the rank's trainer was built in the new group (the worker fills it)
+    # this rank had left the old group and reached the store: with the fast re-formation a
+    # survivor does that while the replacements start, before its join is called
+    reached: float = 0.0
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    """Where the generations' rendezvous store listens, and how long a rendezvous may take."""
+
+    host: str
+    port: int
+    timeout_s: float
+
+
 class Generations:
     """Joins a worker to generation after generation of the default process group."""
 
     def __init__(self) -> None:
         self._graveyard: list[Any] = []  # old groups, kept alive on purpose (see module doc)
         self._client: dist.TCPStore | None = None
+        self._lock = threading.Lock()
+        self._reached: tuple[int, float] | None = None  # (generation, when) of the last reach
+
+    def reach(self, *, generation: int, store: StoreAddress, world_size: int, own_ip: str) -> float:
+        """Leave the current group and count this process in at generation `generation`'s
+        rendezvous, once per generation: the fast re-formation has survivors do it while the
+        replacements start, and their join then finds it done. Returns when it happened."""
+        with self._lock:  # an early reach and the join may run on two of the actor's threads
+            if self._reached is not None and self._reached[0] == generation:
+                return self._reached[1]
+            self.leave()
+            if self._client is None:
+                listen_on_interface_of(own_ip)
+                self._client = dist.TCPStore(
+                    store.host,
+                    store.port,
+                    is_master=False,
+                    timeout=timedelta(seconds=store.timeout_s),
+                    wait_for_workers=False,
+                )
+            if self._prefixed(generation).add("arrived", 1) == world_size:
+                self._prefixed(generation).set("all_arrived", b"1")
+            self._reached = (generation, time.time())
+            return self._reached[1]
+
+    def _prefixed(self, generation: int) -> dist.PrefixStore:
+        assert self._client is not None
+        return dist.PrefixStore(f"gen{generation}/", self._client)
 
     def join(
         self,
         *,
         generation: int,
-        store_host: str,
-        store_port: int,
+        store: StoreAddress,
         rank: int,
         world_size: int,
         backend: str,
+        device: str,
         timeout_s: float,
-        rendezvous_timeout_s: float,
         own_ip: str,
-    ) -> dist.ProcessGroup:
-        self.leave()
-        if self._client is None:
-            listen_on_interface_of(own_ip)
-            self._client = dist.TCPStore(
-                store_host,
-                store_port,
-                is_master=False,
-                timeout=timedelta(seconds=rendezvous_timeout_s),
-                wait_for_workers=False,
-            )
-        store = dist.PrefixStore(f"gen{generation}/", self._client)
+    ) -> tuple[dist.ProcessGroup, JoinTimes]:
+        started = time.time()
+        reached = self.reach(
+            generation=generation, store=store, world_size=world_size, own_ip=own_ip
+        )
+        prefixed = self._prefixed(generation)
+        # The store rendezvous: every member counted in. Without it, the wait for the last
+        # member would hide inside the group's connecting.
+        prefixed.wait(["all_arrived"], timedelta(seconds=store.timeout_s))
+        arrived = time.time()
         dist.init_process_group(
             backend,
-            store=store,
+            store=prefixed,
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=rendezvous_timeout_s),
+            timeout=timedelta(seconds=store.timeout_s),
         )
         group = dist.distributed_c10d._get_default_group()
+        connected = time.time()
+        # The first collective, under the re-formation timeout: a group is formed when data
+        # went through it (gloo connects at construction, NCCL at the first collective).
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
+        collective = time.time()
         # Rendezvous got the (shorter) re-formation timeout; collectives get the spec's.
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
-        return group
+        return group, JoinTimes(started, arrived, connected, collective, reached=reached)
 
     def leave(self) -> None:
         if dist.is_initialized():
@@ -292,6 +356,7 @@ class Generations:
         self.leave()
         self._graveyard.clear()
         self._client = None
+        self._reached = None
 
 
 def init_mesh(

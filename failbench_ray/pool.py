@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 log = logging.getLogger("failbench.pool")
@@ -266,7 +266,7 @@ class WorkerPool:
                 out: ResetOutcome = ray.get(reset_ref, timeout=0)
                 info = ray.get(ready_ref, timeout=0)
                 node = info["node_id"] if isinstance(info, dict) else ""  # a holder: its pid
-            except (RayActorError, GetTimeoutError) as err:
+            except RayError as err:  # died (also killed by Ray's memory monitor), or hung
                 out, node = ResetOutcome(f"did not answer ({type(err).__name__})"), ""
             got[h] = (out, node)
         return got

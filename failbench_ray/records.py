@@ -10,6 +10,20 @@ from dataclasses import dataclass, field
 
 # The recovery phases of one failure, in order. Each is timed in seconds after the injection.
 PHASES: tuple[str, ...] = ("detected", "quiesced", "reformed", "restored", "resumed", "caught_up")
+# The parts of re-formation (between `quiesced` and `reformed`), timed the same way: the
+# replacements are up (a spare took its rank, or a new process answered), every member reached
+# the store (rendezvous), every member's process group is connected, the first collective in it
+# is done everywhere. `reformed` follows once every rank built its trainer in the new group.
+REFORM_PARTS: tuple[str, ...] = ("replaced", "rendezvous", "connected", "collective")
+# Beside them, not in that order: when every survivor of a failure that brought replacements
+# back had left the dead group and reached the new one's store. The fast re-formation
+# (`ExperimentSpec.reform`) does that while the replacements start: before `replaced`.
+SURVIVORS_AT_STORE = "survivors"
+# And when the driver asked for the new processes of cold replacements (the plan made, the dead
+# ended): `replaced` minus this is the replacements' own start-up inside the recovery, under
+# whatever load the survivors put beside it.
+SPAWNED = "spawned"
+REFORM_MARKS: tuple[str, ...] = (SURVIVORS_AT_STORE, SPAWNED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +71,9 @@ class FailureRecord:
     restore_source: str = ""
     restored_from_step: int | None = None
     phases: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(PHASES))
+    reform: dict[str, float | None] = field(
+        default_factory=lambda: dict.fromkeys((*REFORM_PARTS, *REFORM_MARKS))
+    )
     interrupted_by: int | None = None  # index of a cascading failure that cut this recovery short
     # How the dead ranks came back: "cold" (new processes, torch imported inside the measured
     # recovery), "warm" (standbys that already ran: hot spares), "none" (training went on

@@ -29,6 +29,22 @@ class PhaseTimes(BaseModel):
     caught_up_s: float | None = None
 
 
+class ReformParts(BaseModel):
+    """Seconds after the injection at which each part of re-formation ended (None: not
+    reached, or not measured): between `quiesced` and `reformed`, in this order."""
+
+    replaced_s: float | None = None  # the replacements were up (none: at once)
+    rendezvous_s: float | None = None  # every member had reached the store
+    connected_s: float | None = None  # every member's process group was connected
+    collective_s: float | None = None  # the first collective was done on every rank
+    # Not in the order above: every survivor had left the dead group and reached the new one's
+    # store (with `reform: fast`, while the replacements started; None without replacements).
+    survivors_s: float | None = None
+    # When the driver asked for the cold replacements' new processes (None: none were made);
+    # `replaced_s` minus this is their start-up inside the recovery.
+    spawned_s: float | None = None
+
+
 class FailureResult(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -46,6 +62,7 @@ class FailureResult(BaseModel):
     restore_source: str
     interrupted_by: int | None = None
     phases: PhaseTimes
+    reform: ReformParts = Field(default_factory=ReformParts)
 
 
 class BaselineResult(BaseModel):
@@ -211,6 +228,7 @@ def failure_result(f: FailureRecord) -> FailureResult:
         restore_source=f.restore_source,
         interrupted_by=f.interrupted_by,
         phases=PhaseTimes(**{f"{p}_s": f.phases.get(p) for p in PHASES}),
+        reform=ReformParts(**{f"{p}_s": f.reform.get(p) for p in f.reform}),
     )
 
 
@@ -267,7 +285,9 @@ def mean_by_key(rows: Sequence[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.fmean(row[k] for row in rows if k in row) for k in keys}
 
 
-def sample_accounting(records: Sequence[StepRecord], batch_size: int) -> dict[str, int]:
+def sample_accounting(
+    records: Sequence[StepRecord], batch_size: int, whole_batch: bool = True
+) -> dict[str, int]:
     """What happened to the data, from the step records.
 
     A step's *final* execution is its records in the last generation that ran it; what earlier
@@ -275,17 +295,25 @@ def sample_accounting(records: Sequence[StepRecord], batch_size: int) -> dict[st
     after a rollback (wasted work); `samples_skipped`: samples of a global batch that the final
     execution of its step did not train on (a rank gone and its share not re-balanced);
     `samples_duplicated`: samples the final execution trained on more than once.
+
+    `whole_batch` (`Architecture.commits_whole_batch`): a rolled-back execution that any rank
+    completed trained the whole batch, also the shares of ranks that died before recording it
+    (a parameter server publishes a step and dies before its workers pull it); the final
+    execution's batch stands in for what those records would have said.
     """
     final_gen: dict[int, int] = {}
     for r in records:
         final_gen[r.step] = max(final_gen.get(r.step, r.generation), r.generation)
     consumed: dict[int, int] = defaultdict(int)
-    replayed = 0
+    rolled_back: dict[tuple[int, int], int] = defaultdict(int)
     for r in records:
         if r.generation == final_gen[r.step]:
             consumed[r.step] += r.samples
         else:
-            replayed += r.samples
+            rolled_back[r.step, r.generation] += r.samples
+    replayed = sum(
+        max(n, consumed[step]) if whole_batch else n for (step, _), n in rolled_back.items()
+    )
     return {
         "samples_replayed": replayed,
         "samples_skipped": sum(max(0, batch_size - n) for n in consumed.values()),

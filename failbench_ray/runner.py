@@ -386,6 +386,8 @@ def _extras(resolved: Resolved, outcome: TrialOutcome, steady: list[float]) -> d
         **results.throughput_around_failures(outcome.records, outcome.failures, spec.warmup_steps),
         "recoveries": sum(f.restored_from_step is not None for f in outcome.failures),
         "grown_s": [f.phases.get("grown") for f in outcome.failures if "grown" in f.phases],
-        **results.sample_accounting(outcome.records, spec.batch_size),
+        **results.sample_accounting(
+            outcome.records, spec.batch_size, resolved.arch.commits_whole_batch()
+        ),
         "checkpoint": results.mechanism_costs(outcome.records, outcome.checkpoints, spec.steps),
     }

@@ -247,6 +247,14 @@ class ExperimentSpec(_Strict):
     max_recoveries: int = Field(
         8, ge=0, le=10_000, description="Give up a trial after this many recoveries."
     )
+    reform: Literal["standard", "fast"] = Field(
+        "standard",
+        description="How the group re-forms after a failure. `standard`: as PyTorch does by "
+        "default, a process imports torch's compiler stack (which DDP, FSDP2, DTensor and "
+        "pipelining load) when it first builds its trainer, so a hot spare or a new process "
+        "pays it inside the recovery. `fast`: every worker process imports it as it starts "
+        "(a hot spare before any failure; a new process as part of its start-up).",
+    )
     reform_timeout_s: float = Field(
         60.0,
         gt=0,

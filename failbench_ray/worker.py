@@ -12,6 +12,7 @@ waits on `serve` methods, so the waits cannot form a cycle.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import random
@@ -27,7 +28,13 @@ import torch
 
 from architectures import ARCHITECTURES
 from architectures.base import Trainer, WorkerContext
-from failbench_ray.comm import AbortHandle, CollectiveAborted, Generations
+from failbench_ray.comm import (
+    AbortHandle,
+    CollectiveAborted,
+    Generations,
+    JoinTimes,
+    StoreAddress,
+)
 from failbench_ray.identity import ActorId
 from failbench_ray.records import CheckpointEvent, StepRecord
 from failbench_ray.replication import Packed, ReplicaStore, unpack
@@ -153,6 +160,9 @@ class Worker(HoldsCopies, Reusable):
         mech_cls = MECHANISMS.get(self.spec.mechanism.name)
         self.mech = mech_cls(self.spec, mech_cls.Params.model_validate(self.spec.mechanism.params))
         self.layout = self.arch.layout()
+        if self.spec.reform == "fast":  # a ready process has everything a rank imports
+            for module in self.arch.preload:
+                importlib.import_module(module)
         self.run_dir = Path(run_dir)
         self.rank = rank
         self.hooks = self._make_hooks(rank)
@@ -231,20 +241,18 @@ class Worker(HoldsCopies, Reusable):
         return records, checkpoints
 
     # -- the training thread --------------------------------------------------------------
-    def join(self, info: JoinInfo) -> float:
+    def join(self, info: JoinInfo) -> JoinTimes:
         """Enter a new process-group generation and build a fresh trainer in it."""
-        t0 = time.perf_counter()
         self.abort_handle = AbortHandle()
         self._handles.append(self.abort_handle)
-        group = self.generations.join(
+        group, times = self.generations.join(
             generation=info.generation,
-            store_host=info.store_host,
-            store_port=info.store_port,
+            store=self._store(info.store_host, info.store_port),
             rank=info.members.index(self.rank),
             world_size=len(info.members),
             backend=info.backend,
+            device=info.device,
             timeout_s=self.spec.pg_timeout_s,
-            rendezvous_timeout_s=self.spec.reform_timeout_s,
             own_ip=ray.util.get_node_ip_address(),
         )
         ctx = WorkerContext(
@@ -267,7 +275,20 @@ class Worker(HoldsCopies, Reusable):
         # else a recovery was cut short before this rank's restore: keep the older state
         self.trainer, self._restored = self.arch.trainer(ctx), False
         self.generation = info.generation
-        return time.perf_counter() - t0
+        return dataclasses.replace(times, built=time.time())
+
+    def reach(self, generation: int, store_host: str, store_port: int, world_size: int) -> float:
+        """Leave the dead group and count in at the next generation's rendezvous ahead of the
+        join (the fast re-formation: while the replacements start). Returns when."""
+        return self.generations.reach(
+            generation=generation,
+            store=self._store(store_host, store_port),
+            world_size=world_size,
+            own_ip=ray.util.get_node_ip_address(),
+        )
+
+    def _store(self, host: str, port: int) -> StoreAddress:
+        return StoreAddress(host, port, self.spec.reform_timeout_s)
 
     def restore(self, instruction: RestoreInstruction) -> list[CheckpointEvent]:
         """Load the state the plan names into this generation's fresh trainer."""

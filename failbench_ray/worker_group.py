@@ -7,6 +7,7 @@ bundle again; when a node dies, Ray moves that node's bundles to the nodes left.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import ActorUnschedulableError, RayActorError
+from ray.exceptions import ActorUnschedulableError, RayActorError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -75,6 +76,9 @@ class WorkerGroup:
         self.nodes: dict[int, str] = {}  # rank -> Ray node id of its current worker
         self.incarnation: dict[int, int] = {}
         self.extra: list[Any] = []  # every actor created (spares, actors still starting)
+        # Pooled processes' configure() calls: one still running when the trial ends would
+        # make a process the pool lends out again the old trial's rank afterwards.
+        self._configuring: dict[Any, Any] = {}  # actor id -> ref of configure()
         # Raises to stop the trial (a cancel, a shutdown) while actors are being waited for.
         self.check_stop: Callable[[], None] = lambda: None
 
@@ -105,7 +109,7 @@ class WorkerGroup:
         for r, (handle, _) in zip(ranks, taken, strict=True):
             self.incarnation[r] = 0
             self.extra.append(handle)
-            new[r] = (handle, handle.configure.remote(*self._args(r)))
+            new[r] = (handle, self._configure(handle, r))
         died = self.wait_started(new)
         if died:  # a pooled process that died while idle: a new one takes its rank
             self.start(died)
@@ -115,6 +119,20 @@ class WorkerGroup:
             return {}
         table = ray.util.placement_group_table(self.pg)
         return {int(i): n for i, n in table.get("bundles_to_node_id", {}).items()}
+
+    def _configure(self, handle: Any, rank: int) -> Any:
+        ref = handle.configure.remote(*self._args(rank))
+        self._configuring[handle._actor_id] = ref
+        return ref
+
+    def _still_configuring(self) -> set[Any]:
+        """Pooled processes whose configure() has not returned (e.g. an elastic replacement
+        still importing when training ended): not fit to lend again."""
+        busy = self._configuring.items()
+        refs = [ref for _, ref in busy]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+        settled = set(done)
+        return {aid for aid, ref in busy if ref not in settled}
 
     def _args(self, rank: int) -> tuple[Any, ...]:
         return (rank, self._spec, self._run_dir, self._chaos, self._tags)
@@ -142,7 +160,7 @@ class WorkerGroup:
             self.incarnation[r] = n
             if self.pool is not None:  # a new process all the same, kept for later trials
                 handle = self.pool.new_worker(nodes.get(r, ""))
-                new[r] = (handle, handle.configure.remote(*self._args(r)))
+                new[r] = (handle, self._configure(handle, r))
             else:
                 # Shows on the Ray dashboard which rank (and which replacement) an actor is.
                 handle = self._create(f"{self._label}-rank{r}-i{n}", r, self.placement.num_cpus)
@@ -187,7 +205,7 @@ class WorkerGroup:
         if self.pool is not None:  # a standby is warm by design: a pooled process serves
             ((handle, _),) = self.pool.workers([""])
             self.extra.append(handle)
-            return handle, handle.configure.remote(*self._args(-1))
+            return handle, self._configure(handle, -1)
         # num_cpus=0: a spare mostly waits; on a small machine it must not block a rank.
         handle = self._create(f"{self._label}-{name}", -1, 0.0)
         self.extra.append(handle)
@@ -231,18 +249,42 @@ class WorkerGroup:
         `helpers`) go back to the pool, which keeps those that reset cleanly."""
         everyone = [*self.handles.values(), *self.extra, *helpers]
         actors = list({h._actor_id: h for h in everyone}.values())
-        if self.pool is not None:
-            ours = {h._actor_id for h in [*self.handles.values(), *self.extra]}
-            holders = tuple(h for h in helpers if h._actor_id not in ours)
-            workers = [h for h in actors if self.pool.owns(h) and h._actor_id in ours]
-            self.pool.give_back(workers, chaos, holders)
-            actors = [h for h in actors if not self.pool.owns(h)]
-        elif chaos is not None:
-            actors.append(chaos)
+        try:
+            if self.pool is not None:
+                actors = self._give_back(actors, chaos, helpers)
+            elif chaos is not None:
+                actors.append(chaos)
+        except BaseException:
+            actors += [chaos] if chaos is not None else []  # the pool took none of them
+            raise
+        finally:
+            # Whatever went wrong giving processes back, nothing of the trial outlives it: a
+            # placement group left behind would hold its CPUs from every later trial.
+            for h in actors:
+                with contextlib.suppress(RayError):
+                    ray.kill(h, no_restart=True)
+            self.handles.clear()
+            self.extra.clear()
+            self._configuring.clear()
+            if self.pg is not None:
+                remove_placement_group(self.pg)
+                self.pg = None
+
+    def _give_back(self, actors: list[Any], chaos: Any, helpers: tuple[Any, ...]) -> list[Any]:
+        """Give the pooled processes back; returns the actors left to end. If the pool fails,
+        every actor is ended and forgotten by it."""
+        assert self.pool is not None
+        ours = {h._actor_id for h in [*self.handles.values(), *self.extra]}
+        busy = self._still_configuring()
         for h in actors:
-            ray.kill(h, no_restart=True)
-        self.handles.clear()
-        self.extra.clear()
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
+            if h._actor_id in busy:
+                self.pool.forget(h)  # ended by the caller, with the actors not pooled
+        holders = tuple(h for h in helpers if h._actor_id not in ours)
+        workers = [h for h in actors if self.pool.owns(h) and h._actor_id in ours]
+        try:
+            self.pool.give_back(workers, chaos, holders)
+        except BaseException:
+            for h in [*actors, *([chaos] if chaos is not None else [])]:
+                self.pool.forget(h)
+            raise
+        return [h for h in actors if not self.pool.owns(h)]

@@ -8,6 +8,7 @@ import inspect
 import pytest
 
 from architectures.base import StateLayout
+from failbench_ray.comm import JoinTimes
 from failbench_ray.controller import states
 from failbench_ray.controller.callbacks import Callbacks, TrialCallback
 from failbench_ray.controller.final_check import check
@@ -67,6 +68,29 @@ def test_a_failure_during_recovery_interrupts_the_open_one() -> None:
     (second,) = tl.detected([_inj(0, [0], 10.0), _inj(1, [2], 11.0, None)], {2}, {0}, 11.1)
     assert first.interrupted_by == 1 and second.interrupted_by is None
     assert len(tl.open) == 2 and tl.failure_step(committed=4) == 7
+
+
+def test_reformation_parts_end_when_the_last_rank_is_done_and_are_stamped_once() -> None:
+    tl = RecoveryTimeline((Quiesce.ABORT, ""))
+    (f,) = tl.detected([_inj(0, [1], t=100.0)], {1}, set(), 100.02)
+    tl.reform_part("replaced", 100.1)
+    tl.joined(
+        {
+            0: JoinTimes(100.11, 100.2, 100.25, 100.3, reached=100.05),  # reached early
+            1: JoinTimes(100.12, 100.22, 100.24, 100.35, reached=100.15),  # the replacement
+            2: JoinTimes(100.11, 100.2, 100.25, 100.3, reached=100.06),
+        },
+        replaced={1},
+    )
+    tl.joined({0: JoinTimes(101.0, 101.1, 101.2, 101.3)})  # a retried join: the first counts
+    got = {k: round(v, 6) for k, v in f.reform.items() if v is not None}
+    assert got == {
+        "replaced": 0.1,
+        "rendezvous": 0.22,
+        "connected": 0.25,
+        "collective": 0.35,
+        "survivors": 0.06,
+    }
 
 
 @pytest.mark.parametrize(

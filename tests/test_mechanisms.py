@@ -17,6 +17,7 @@ from failbench_ray.errors import NotApplicableError
 from failbench_ray.identity import HolderId as H
 from failbench_ray.identity import RankId as R
 from failbench_ray.identity import SpareId as S
+from failbench_ray.records import REFORM_PARTS
 from failbench_ray.replication import ReplicaStore, pack, unpack
 from failbench_ray.runner import run_experiment
 from failbench_ray.spec import parse_spec
@@ -323,15 +324,41 @@ def run_cell(spec: dict[str, Any], url: str, out: Path) -> Any:
         db.dispose()
 
 
-def check_cell(arch: str, mechanism: str, failures: dict[str, Any], url: str, out: Path) -> None:
+def check_cell(
+    arch: str,
+    mechanism: str,
+    failures: dict[str, Any],
+    url: str,
+    out: Path,
+    reform: str = "standard",
+) -> None:
     base = baseline_digest(arch, url, out)
-    result = run_cell(cell_spec(arch, mechanism, failures), url, out)
+    result = run_cell(cell_spec(arch, mechanism, failures, reform=reform), url, out)
     trial = result.trials[0]
     assert result.status == "completed" and trial.status == "completed", trial.error
     assert len(trial.failures) == len(failures.get("events", [None]))
     extra = trial.model_extra or {}
     last = trial.failures[-1]
     assert last.phases.caught_up_s is not None, last
+    for f in trial.failures:
+        if f.interrupted_by is None:  # the parts of re-formation, in order, inside it
+            parts = f.reform.model_dump()
+            ends = [f.phases.quiesced_s, *(parts[f"{p}_s"] for p in REFORM_PARTS)]
+            ends.append(f.phases.reformed_s)
+            assert all(e is not None for e in ends), f
+            assert ends == sorted(ends), f"re-formation's parts out of order: {f}"
+            # a new process was asked for after quiescing (elastic's later, to grow back)
+            if f.replacement == "cold" and mechanism != "elastic":
+                spawned = f.reform.spawned_s
+                assert spawned is not None and ends[0] <= spawned <= ends[1], f
+            # The survivors were at the new group's store while the replacement started.
+            # (Elastic's replacements start only after the survivors' group trains again.)
+            if (reform, f.replacement, f.quiesce) == ("fast", "cold", "abort") and (
+                mechanism != "elastic"
+            ):
+                survivors, replaced = f.reform.survivors_s, f.reform.replaced_s
+                assert survivors is not None and replaced is not None, f
+                assert survivors < replaced, f
     # How the dead rank came back: a standby (hot spare) is warm, a new process cold; gossip
     # goes on without it. (Several at once may outnumber the spares: some come back cold.)
     # Where survivors are killed to quiesce (collectives that cannot be aborted), they come
@@ -378,15 +405,20 @@ SINGLE = {
     for arch in ARCHS
 }
 CELLS = [(a, m) for a in ARCHS for m in MECHANISMS if applicable(a, m)]
+# Every other cell re-forms the fast way (issue 17): both regimes on every architecture, and
+# on most mechanisms, for the time of one; the oracle must hold in both.
+REGIME = {cell: ("fast" if i % 2 else "standard") for i, cell in enumerate(CELLS)}
 
 
 @pytest.mark.usefixtures("no_leaks")
-@pytest.mark.parametrize(("arch", "mechanism"), CELLS, ids=[f"{a}-{m}" for a, m in CELLS])
+@pytest.mark.parametrize(
+    ("arch", "mechanism"), CELLS, ids=[f"{a}-{m}-{REGIME[a, m]}" for a, m in CELLS]
+)
 def test_every_applicable_pair_recovers_from_a_single_failure(
     arch: str, mechanism: str, sqlite_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     out = tmp_path_factory.mktemp("runs")
-    check_cell(arch, mechanism, SINGLE[arch], sqlite_url, out)
+    check_cell(arch, mechanism, SINGLE[arch], sqlite_url, out, REGIME[arch, mechanism])
 
 
 TRACES = {
@@ -416,15 +448,21 @@ MULTI = [
 ]
 
 
+MULTI_REGIME = {cell: ("standard" if i % 2 else "fast") for i, cell in enumerate(MULTI)}
+
+
 @pytest.mark.usefixtures("no_leaks")
 @pytest.mark.parametrize(
-    ("arch", "trace", "mechanism"), MULTI, ids=[f"{a}-{t}-{m}" for a, t, m in MULTI]
+    ("arch", "trace", "mechanism"),
+    MULTI,
+    ids=[f"{a}-{t}-{m}-{MULTI_REGIME[a, t, m]}" for a, t, m in MULTI],
 )
 def test_concurrent_and_cascading_failures(
     arch: str, trace: str, mechanism: str, sqlite_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     out = tmp_path_factory.mktemp("runs")
-    check_cell(arch, mechanism, TRACES[arch][trace], sqlite_url, out)
+    regime = MULTI_REGIME[arch, trace, mechanism]
+    check_cell(arch, mechanism, TRACES[arch][trace], sqlite_url, out, regime)
 
 
 def test_the_matrix_covers_every_mechanism_on_ddp_and_hybrid() -> None:

@@ -134,6 +134,31 @@ def test_a_cancelled_trial_leaves_only_reset_processes(sqlite_url: str, tmp_path
         assert ray.get(handle.leftovers.remote()) == {}
 
 
+@pytest.mark.usefixtures("no_leaks")
+def test_a_process_still_starting_when_its_trial_ends_is_not_lent_again(tmp_path: Path) -> None:
+    """An elastic replacement may still be in configure() (importing what its trainer needs)
+    when training ends. Were it pooled, that configure would finish after the next trial's
+    and give the process the old trial's rank: two ranks of one group alike, a rendezvous
+    that never completes. It is ended instead."""
+    import ray
+
+    from failbench_ray.spec import parse_spec
+    from failbench_ray.worker_group import Placement, WorkerGroup
+
+    pool = shared_pool()
+    spec = parse_spec({**CELL, "architecture": "ddp", "world_size": 2, "reform": "fast"})
+    group = WorkerGroup(
+        spec, tmp_path, None, Placement(0.01, 0.0, "gloo", "cpu"), "starting", pool=pool
+    )
+    ((handle, configuring),) = group.start_async([1]).values()
+    assert not ray.wait([configuring], timeout=0)[0], "configure() returned before the end"
+    group.shutdown()
+    assert not pool.owns(handle)
+    assert handle._actor_id not in {h._actor_id for h in pool.idle_workers()}
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(configuring, timeout=60)
+
+
 _TWO_CLUSTERS = """
 import ray
 from failbench_ray import runtime
@@ -155,3 +180,39 @@ def test_a_new_cluster_gets_a_new_pool() -> None:
     id alone outlived `ray.shutdown()` and handed the next cluster actors of the dead one
     ("Can't find actor ...", the bench's harness_overhead goal). Its own process and cluster."""
     assert run_snippet(_TWO_CLUSTERS).strip().endswith("ok")
+
+
+@pytest.mark.usefixtures("no_leaks")
+def test_a_pool_that_fails_to_take_processes_back_leaves_nothing_of_the_trial(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ray's memory monitor killed two ranks of a 1 GB cell while they reset: the reset's
+    OutOfMemoryError left the trial's placement group and its actors behind, and every later
+    cell of the sweep could not be placed. Whatever fails, the trial's actors are ended and its
+    placement group removed. (The monitor's kill is the one thing simulated: the pool raising
+    what it raised.)"""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    from failbench_ray.spec import parse_spec
+    from failbench_ray.worker_group import Placement, WorkerGroup
+
+    pool = shared_pool()
+    spec = parse_spec({**CELL, "architecture": "ddp", "world_size": 2})
+    group = WorkerGroup(spec, tmp_path, None, Placement(0.01, 0.0, "gloo", "cpu"), "oom", pool=pool)
+    group.reserve()
+    group.start_first([0, 1])
+    handles, pg = list(group.handles.values()), group.pg
+    assert pg is not None
+
+    def memory_monitor_killed(*_: Any) -> None:
+        raise ray.exceptions.OutOfMemoryError("2 worker(s) were killed (simulated)")
+
+    monkeypatch.setattr(pool, "give_back", memory_monitor_killed)
+    with pytest.raises(ray.exceptions.OutOfMemoryError):
+        group.shutdown()
+    assert placement_group_table(pg)["state"] == "REMOVED"
+    for h in handles:
+        assert not pool.owns(h)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(h.ready.remote(), timeout=60)

@@ -16,6 +16,7 @@ from failbench_ray.results import (
     mean_or_none,
     median_or_none,
     overhead_pct,
+    sample_accounting,
     steady_state_steps,
     step_durations,
 )
@@ -294,3 +295,31 @@ def test_failure_result_maps_every_phase() -> None:
         "resumed_s": 2.5,
         "caught_up_s": 4.0,
     }
+
+
+def shares(gen: int, step: int, ranks: list[int], samples: int = 5) -> list[StepRecord]:
+    return [StepRecord(r, step, gen, 1.0, 0.0, 1.0, samples) for r in ranks]
+
+
+def test_a_rollback_counts_the_rolled_back_steps_samples_as_replayed() -> None:
+    # ddp, 3 ranks of 5 samples: gen 0 ran steps 1-2, the restore went back to step 0
+    records = [*shares(0, 1, [0, 1, 2]), *shares(0, 2, [0, 1, 2])]
+    records += [*shares(1, 1, [0, 1, 2]), *shares(1, 2, [0, 1, 2])]
+    got = sample_accounting(records, 15)
+    assert got == {"samples_replayed": 30, "samples_skipped": 0, "samples_duplicated": 0}
+
+
+def test_a_server_that_published_a_step_its_workers_never_recorded_still_trained_it() -> None:
+    # ps, server rank 0 (no samples) published step 2 and died before workers 1-3 pulled it:
+    # only the server recorded it, yet the workers' 15 samples were trained and rolled back
+    records = [*shares(0, 1, [0], 0), *shares(0, 1, [1, 2, 3]), *shares(0, 2, [0], 0)]
+    records += [*shares(1, 2, [0], 0), *shares(1, 2, [1, 2, 3])]
+    assert sample_accounting(records, 15)["samples_replayed"] == 15
+    # where each rank updates on its own (gossip, async ps), only what was recorded counts
+    assert sample_accounting(records, 15, whole_batch=False)["samples_replayed"] == 0
+
+
+def test_going_on_without_a_rank_skips_its_share() -> None:
+    records = [*shares(0, 1, [0, 1, 2]), *shares(1, 2, [0, 1])]
+    got = sample_accounting(records, 15)
+    assert got == {"samples_replayed": 0, "samples_skipped": 5, "samples_duplicated": 0}

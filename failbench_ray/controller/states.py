@@ -18,9 +18,10 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from failbench_ray.comm import rendezvous_store
+from failbench_ray.controller.calls import gather
 from failbench_ray.controller.final_check import check
 from failbench_ray.controller.trial import Trial
 from failbench_ray.errors import RecoveryError
@@ -178,22 +179,37 @@ class Reforming(TrialState):
         t.timeline.planned(plan)
         group.kill([r for r in plan.replace if r not in t.dead])
         t.standby.take_ranks(plan, group)
-        group.start([r for r in plan.replace if r not in plan.spares])
-        t.dead -= set(plan.replace)
         for r in plan.drop:  # training goes on without them
             t.members.remove(r)
             group.handles.pop(r)
             t.dead.discard(r)
+        cold = [r for r in plan.replace if r not in plan.spares]
+        early: list[Any] = []
+        generation = None
+        if cold:
+            t.timeline.reform_part("spawned", time.time())
+        if cold and t.spec.reform == "fast":
+            starting = group.start_async(cold)
+            generation, early = t.reach_early([r for r in t.members if r not in cold])
+            died = group.wait_started(starting)
+            if died:  # e.g. its node just failed: start it the slow way
+                group.start(died)
+        else:
+            group.start(cold)
+        t.timeline.reform_part("replaced", time.time())
+        t.dead -= set(plan.replace)
         if plan.grow:  # elastic: replacements start in the background; the group grows later
             t.growth.begin(group.start_async(list(plan.grow)), t.timeline.open)
         t.set_targets()
         got = t.calls.on_all(lambda h, r: h.ready.remote())
         if not got.dead:
-            got = t.join_all()
+            got = t.join_all(generation)
+        gather(dict(enumerate(early)))  # done by now (a join waits for its rank's reach)
         if got.dead:
             return failed_ranks(t, got.dead)
         if got.errors:  # a rendezvous timed out: try the whole re-formation again
             return Reforming()
+        t.timeline.joined(got.values, replaced=set(cold))
         t.timeline.stamp("reformed", time.time())
         t.cb.after_reform(t.members, plan)
         return Restoring(plan)

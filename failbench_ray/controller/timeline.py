@@ -6,8 +6,10 @@ Pure bookkeeping (tested without Ray): the states tell it what they saw and when
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
+from failbench_ray.comm import JoinTimes
 from failbench_ray.records import FailureRecord
 from failbench_ray.spec import Quiesce
 from injector.chaos import Injection
@@ -79,6 +81,26 @@ class RecoveryTimeline:
         for f in self.open:
             if f.phases.get(phase) is None:
                 f.phases[phase] = t - f.t_injected
+
+    def reform_part(self, part: str, t: float) -> None:
+        """A part of re-formation (`records.REFORM_PARTS`) ended at `t` (the first time only)."""
+        for f in self.open:
+            if f.reform.get(part) is None:
+                f.reform[part] = t - f.t_injected
+
+    def joined(self, times: Mapping[int, JoinTimes], replaced: Collection[int] = ()) -> None:
+        """Every member joined the new group: each part ended when the last rank finished it.
+        `survivors`: when the last of the ranks not `replaced` had reached the store (before
+        `replaced` where the fast re-formation overlapped it with the replacements' start)."""
+        got = list(times.values())
+        if not got:
+            return
+        kept = [j.reached for r, j in times.items() if r not in replaced and j.reached]
+        if replaced and kept:
+            self.reform_part("survivors", max(kept))
+        self.reform_part("rendezvous", max(j.arrived for j in got))
+        self.reform_part("connected", max(j.connected for j in got))
+        self.reform_part("collective", max(j.collective for j in got))
 
     def quiesced(self, t: float, committed: int) -> None:
         """Failures injected at no known step (a phase or a timer) hit the step in flight."""

@@ -163,9 +163,25 @@ class Trial:
     def set_targets(self) -> None:
         self.chaos.set_targets(self.workers.targets())
 
-    def join_all(self) -> Gathered:
-        """Every live rank joins a new process group (a new generation)."""
+    def reach_early(self, ranks: list[int]) -> tuple[int, list[Any]]:
+        """The fast re-formation: `ranks` (the survivors, and spares that took a rank) leave
+        the dead group and count in at a new generation's rendezvous now, while the
+        replacements start; their join (`join_all(generation)`) then finds that done.
+        Returns the generation, taken for good (a re-formation cut short uses another), and
+        the calls' refs."""
         self.generation += 1
+        port = self.store.port if self.store is not None else 0
+        handles, n = self.workers.handles, len(self.members)
+        refs = [
+            handles[r].reach.remote(self.generation, self.setup.store_host, port, n) for r in ranks
+        ]
+        return self.generation, refs
+
+    def join_all(self, generation: int | None = None) -> Gathered:
+        """Every live rank joins a new process group: a new generation, or the one
+        `reach_early` took."""
+        if generation is None:
+            self.generation += 1
         info = JoinInfo(
             generation=self.generation,
             store_host=self.setup.store_host,

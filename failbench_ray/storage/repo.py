@@ -17,7 +17,14 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from failbench_ray.errors import ExperimentNotFound, SweepNotFound
-from failbench_ray.records import PHASES, CheckpointEvent, FailureRecord, StepRecord
+from failbench_ray.records import (
+    PHASES,
+    REFORM_MARKS,
+    REFORM_PARTS,
+    CheckpointEvent,
+    FailureRecord,
+    StepRecord,
+)
 from failbench_ray.results import BaselineResult, ExperimentResult, TrialResult, failure_result
 from failbench_ray.storage.status import (
     CellStatus,
@@ -347,6 +354,9 @@ def _checkpoint_row(trial_id: int, e: CheckpointEvent) -> dict[str, Any]:
     }
 
 
+_REFORM_COLUMNS = (*REFORM_PARTS, *REFORM_MARKS)
+
+
 def _failure_row(trial_id: int, f: FailureRecord) -> dict[str, Any]:
     return {
         "trial_id": trial_id,
@@ -364,6 +374,7 @@ def _failure_row(trial_id: int, f: FailureRecord) -> dict[str, Any]:
         "lost_steps": f.lost_steps,
         "interrupted_by": f.interrupted_by,
         **{f"{phase}_s": _opt_float(f.phases.get(phase)) for phase in PHASES},
+        **{f"{part}_s": _opt_float(f.reform.get(part)) for part in _REFORM_COLUMNS},
     }
 
 
@@ -425,6 +436,7 @@ def _failure_record(row: RecoveryEventRow) -> FailureRecord:
         restore_source=row.restore_source,
         restored_from_step=row.restored_from_step,
         phases={phase: getattr(row, f"{phase}_s") for phase in PHASES},
+        reform={part: getattr(row, f"{part}_s") for part in _REFORM_COLUMNS},
         interrupted_by=row.interrupted_by,
     )
 

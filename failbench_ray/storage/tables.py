@@ -213,6 +213,13 @@ class RecoveryEventRow(Base):
     restored_s: Mapped[float | None]
     resumed_s: Mapped[float | None]
     caught_up_s: Mapped[float | None]
+    # The parts of re-formation (`records.REFORM_PARTS`), also seconds after `t_injected`.
+    replaced_s: Mapped[float | None]
+    rendezvous_s: Mapped[float | None]
+    connected_s: Mapped[float | None]
+    collective_s: Mapped[float | None]
+    survivors_s: Mapped[float | None]  # `records.SURVIVORS_AT_STORE`
+    spawned_s: Mapped[float | None]  # `records.SPAWNED`
 
 
 class CheckpointEventRow(Base):
