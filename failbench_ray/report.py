@@ -4,7 +4,7 @@ Everything in it is computed from the database: one row per architecture x mecha
 cell (overhead with its 95% interval over trials, recovery phases, lost steps, throughput
 around the failure, loss progress against the matched baseline with Welch's test, the oracle's
 verdict, state bytes per rank), the cells that were skipped with their reasons, four kinds of
-figure, and findings that name the best mechanism per architecture by three measures.
+figure, and findings (`failbench_ray.findings`): only what the intervals support.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scipy import stats as sps
 from sqlalchemy import select
 
-from failbench_ray import stats
+from failbench_ray import findings as findings_mod
+from failbench_ray import markdown, paper_section, reform_report, results, stats
 from failbench_ray.errors import SweepNotFound
 from failbench_ray.records import PHASES, StepRecord
 from failbench_ray.results import ExperimentResult
@@ -52,8 +52,14 @@ class Cell:
     baseline: Run | None = None
 
     @property
+    def reform(self) -> str:
+        return reform_report.regime(self.result.spec) if self.result else "standard"
+
+    @property
     def name(self) -> str:
-        return f"{self.architecture}/{self.mechanism}/{self.trace}"
+        name = f"{self.architecture}/{self.mechanism}/{self.trace}"
+        # a sweep may run the same cell in both re-formation regimes (a grid list of `reform`)
+        return name if self.reform == "standard" else f"{name} [{self.reform}]"
 
 
 def _run(records: list[StepRecord], t_injected: list[float]) -> Run:
@@ -94,19 +100,12 @@ def gather(db: Database, sweep_id: str | None = None) -> tuple[Sweep, list[Cell]
 
 
 # -- the numbers of a cell -------------------------------------------------------------------
-def mean_ci(values: list[float]) -> tuple[float | None, tuple[float, float] | None]:
-    """Mean and its 95% t-interval (None with a single value)."""
-    if not values:
-        return None, None
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return mean, None
-    half = sps.t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
-    return mean, (mean - half, mean + half)
-
-
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
+
+
+def _median_of(extras: list[dict[str, Any]], key: str) -> float | None:
+    return _median([e[key] for e in extras if e.get(key)])
 
 
 def phase_durations(cell: Cell) -> dict[str, float | None]:
@@ -137,9 +136,12 @@ def time_to_loss(run: Run, target: float) -> float | None:
 
 def cell_row(cell: Cell) -> dict[str, Any]:
     res = cell.result
-    trials = res.trials if res else []
-    done = [t for t in trials if t.status == "completed"]
-    overhead, ci = mean_ci([t.overhead_pct for t in done if t.overhead_pct is not None])
+    done = [t for t in (res.trials if res else []) if t.status == "completed"]
+    noise = _baseline_noise(cell, [t.overhead_pct for t in done if t.overhead_pct is not None])
+    est = findings_mod.estimate(
+        [t.overhead_pct for t in done if t.overhead_pct is not None], *noise
+    )
+    overhead, ci = (est.mean, est.ci95) if est else (None, None)
     extras = [t.model_extra or {} for t in done]
     failures = [f for t in done for f in t.failures]
     resumed = [f.phases.resumed_s for f in failures if f.phases.resumed_s is not None]
@@ -171,22 +173,12 @@ def cell_row(cell: Cell) -> dict[str, Any]:
         "overhead_pct": overhead,
         "overhead_ci95": ci,
         "phases_s": phase_durations(cell),
+        **reform_report.reform_numbers(done, cell.reform),
+        **findings_mod.samples(done, to_base),
         "resumed_s": _median(resumed),
         "lost_steps": _median([f.lost_steps for f in failures if f.lost_steps is not None]),
-        "samples_per_s_before": _median(
-            [
-                e["samples_per_s_before_failure"]
-                for e in extras
-                if e.get("samples_per_s_before_failure")
-            ]
-        ),
-        "samples_per_s_after": _median(
-            [
-                e["samples_per_s_after_recovery"]
-                for e in extras
-                if e.get("samples_per_s_after_recovery")
-            ]
-        ),
+        "samples_per_s_before": _median_of(extras, "samples_per_s_before_failure"),
+        "samples_per_s_after": _median_of(extras, "samples_per_s_after_recovery"),
         "loss_vs_baseline": progress,
         "loss_vs_baseline_samples": by_samples,
         "time_to_baseline_loss_s": _median([t for t in to_base if t is not None]),
@@ -194,92 +186,52 @@ def cell_row(cell: Cell) -> dict[str, Any]:
         "state_bytes_per_rank": _median(
             [e["state_bytes_per_rank"] for e in extras if e.get("state_bytes_per_rank")]
         ),
+        **_save_costs(extras),
+        "overhead_base_var": noise[0],
+        "overhead_base_df": noise[1],
     }
+
+
+def _baseline_noise(cell: Cell, overheads: list[float]) -> tuple[float, float]:
+    """The variance the cell's one baseline run adds to its overhead (`findings.baseline_noise`)."""
+    if cell.baseline is None or cell.result is None or not overheads:
+        return 0.0, math.inf
+    warmup = int(cell.result.spec.get("warmup_steps", 0))
+    steps = results.steady_state_steps(cell.baseline.records, [], warmup)
+    return findings_mod.baseline_noise(steps, statistics.fmean(overheads))
+
+
+def _save_costs(extras: list[dict[str, Any]]) -> dict[str, float | None]:
+    """How fast the cell's saves wrote state (MB/s) and how long each held its step."""
+    costs = [e["checkpoint"] for e in extras if e.get("checkpoint")]
+    rates = [
+        c["bytes_saved"] / 1e6 / (c["saves"] * c["save_s_mean"])
+        for c in costs
+        if c.get("saves") and c.get("save_s_mean")
+    ]
+    stalls = [c["blocked_s_per_save"] for c in costs if c.get("blocked_s_per_save") is not None]
+    return {"write_mb_s": _median(rates), "stall_s_per_save": _median(stalls)}
 
 
 # -- findings -------------------------------------------------------------------------------
 def findings(rows: list[dict[str, Any]]) -> list[str]:
-    """Statements computed from the rows (mechanisms other than `none`, completed cells)."""
-    ft = [r for r in rows if r["mechanism"] != "none" and r["trials"]]
-    out = _best_findings(ft) + _overhead_ranges(ft)
-    for r in ft:
-        found = _throughput_finding(r)
-        if found is not None:
-            out.append(found)
-    return out
+    """What the rows support (`failbench_ray.findings`), then the paper's first claim per
+    re-formation regime."""
+    return findings_mod.findings(rows) + reform_report.first_claim(rows)
 
 
-def _best(rs: list[dict[str, Any]], key: str) -> tuple[str, float] | None:
-    """The mechanism with the lowest median `key` over `rs`, and that median."""
-    per_mech: dict[str, list[float]] = defaultdict(list)
-    for r in rs:
-        if r[key] is not None:
-            per_mech[r["mechanism"]].append(r[key])
-    if not per_mech:
-        return None
-    name = min(per_mech, key=lambda m: statistics.median(per_mech[m]))
-    return name, statistics.median(per_mech[name])
+SMOKE_SWEEP = "paper_matrix"  # one trial of 20 steps per cell: it checks that cells run
 
 
-def _best_findings(ft: list[dict[str, Any]]) -> list[str]:
-    """Per architecture, the best mechanism by each of three measures."""
-    out: list[str] = []
-    by_arch: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for r in ft:
-        by_arch[r["architecture"]].append(r)
-    for arch in sorted(by_arch):
-        rs = by_arch[arch]
-        parts = []
-        for key, label, unit in (
-            ("overhead_pct", "steady-state overhead", "%"),
-            ("resumed_s", "time from the kill to training again", " s"),
-            ("time_to_baseline_loss_s", "time to reach the baseline's final loss", " s"),
-        ):
-            b = _best(rs, key)
-            if b is not None:
-                parts.append(f"by {label}: **{b[0]}** ({b[1]:.3g}{unit})")
-        if parts:
-            out.append(f"{arch}: best " + "; ".join(parts) + ".")
-    return out
-
-
-def _overhead_ranges(ft: list[dict[str, Any]]) -> list[str]:
-    """Per mechanism run on two architectures or more, how far its overhead ranges."""
-    out: list[str] = []
-    samples: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for r in ft:
-        if r["overhead_pct"] is not None:
-            samples[r["mechanism"]][r["architecture"]].append(r["overhead_pct"])
-    for mech in sorted(samples):
-        # the median over the traces, as in "best" above
-        archs = {a: statistics.median(v) for a, v in samples[mech].items()}
-        if len(archs) >= 2:
-            lo, hi = min(archs, key=archs.__getitem__), max(archs, key=archs.__getitem__)
-            out.append(
-                f"{mech}'s overhead ranges from {archs[lo]:.3g}% ({lo}) to {archs[hi]:.3g}% "
-                f"({hi}) across {len(archs)} architectures."
-            )
-    return out
-
-
-def _throughput_finding(r: dict[str, Any]) -> str | None:
-    """Where throughput rose after the failure: whether that became loss progress."""
-    before, after, cmp = (
-        r["samples_per_s_before"],
-        r["samples_per_s_after"],
-        r["loss_vs_baseline"],
-    )
-    if not (before and after and after > before * 1.05 and cmp and cmp.difference is not None):
-        return None
-    became = (
-        "became loss progress (lower loss than the baseline at matched time)"
-        if cmp.verdict == "lower"
-        else f"did not become loss progress ({cmp.verdict} at matched time)"
-    )
-    at_samples = r["loss_vs_baseline_samples"]
-    if at_samples is not None and at_samples.difference is not None:
-        became += f"; at matched samples the loss is {at_samples.verdict}"
-    return f"{r['cell']}: throughput rose {after / before:.2f}x after the failure and {became}."
+def smoke_note(sweep_name: str) -> list[str]:
+    if sweep_name != SMOKE_SWEEP:
+        return []
+    return [
+        f"This is `{SMOKE_SWEEP}`, the quick smoke test: one trial per cell and a few KB of "
+        "state, so its numbers are noise and it supports no finding. A finding needs a sweep "
+        "with `trials: 3` or more and enough steps for the overhead to span checkpoints.",
+        "",
+    ]
 
 
 # -- figures --------------------------------------------------------------------------------
@@ -293,7 +245,7 @@ def _figures(cells: list[Cell], rows: list[dict[str, Any]], out: Path) -> list[s
     if shown:
         names.append(_phases_figure(shown, out))
     archs = sorted({r["architecture"] for r in rows})
-    names.append(_heatmap(rows, archs, out))
+    names.append(_heatmap(rows, out))
     for arch in archs:
         mine = [c for c in cells if c.architecture == arch and c.trials]
         if mine:
@@ -302,31 +254,55 @@ def _figures(cells: list[Cell], rows: list[dict[str, Any]], out: Path) -> list[s
 
 
 def _phases_figure(shown: list[dict[str, Any]], out: Path) -> str:
-    """Stacked bars of the median recovery phases of each cell in `shown`."""
+    """Stacked bars of the median recovery phases of each cell in `shown`: one panel per
+    architecture (small multiples, at most two across, so the full matrix stays ~1,800 px
+    wide), one shared phase scale."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(shown)), 4))
-    bottom = [0.0] * len(shown)
-    for phase in SHOWN_PHASES:
-        h = [r["phases_s"][phase] or 0.0 for r in shown]
-        ax.bar(range(len(shown)), h, bottom=bottom, label=phase)
-        bottom = [b + v for b, v in zip(bottom, h, strict=True)]
-    ax.set_xticks(range(len(shown)), [r["cell"] for r in shown], rotation=75, fontsize=7)
-    ax.set_ylabel("seconds (median)")
-    ax.set_title("Recovery phases")
-    ax.legend(fontsize=7)
+    archs = sorted({r["architecture"] for r in shown})
+    cols = min(2, len(archs))
+    rows_n = math.ceil(len(archs) / cols)
+    most = max(sum(r["architecture"] == a for r in shown) for a in archs)
+    width = min(16.0, max(6.0, 0.32 * most + 1.5) * cols)
+    fig, axes = plt.subplots(
+        rows_n, cols, figsize=(width, 3.8 * rows_n), squeeze=False, sharey=True
+    )
+    for ax, arch in zip(axes.flat, archs, strict=False):
+        mine = [r for r in shown if r["architecture"] == arch]
+        bottom = [0.0] * len(mine)
+        for i, phase in enumerate(SHOWN_PHASES):
+            h = [r["phases_s"][phase] or 0.0 for r in mine]
+            ax.bar(range(len(mine)), h, bottom=bottom, label=phase, color=f"C{i}")
+            bottom = [b + v for b, v in zip(bottom, h, strict=True)]
+        names = [r["cell"].removeprefix(f"{arch}/") for r in mine]
+        ax.set_xticks(range(len(mine)), names, rotation=70, ha="right", fontsize=7)
+        ax.set_title(arch, fontsize=10)
+        ax.set_ylabel("seconds (median)")
+    for ax in list(axes.flat)[len(archs) :]:
+        ax.set_visible(False)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper right", fontsize=8, ncol=len(SHOWN_PHASES))
+    fig.suptitle("Recovery phases by architecture (mechanism/trace)", x=0.02, ha="left")
     return _save(fig, out / "recovery_phases.png")
 
 
-def _heatmap(rows: list[dict[str, Any]], archs: list[str], out: Path) -> str:
+def _regime_label(name: str, reform: str) -> str:
+    """A row's architecture (or a line's mechanism) with its re-formation regime, if not the
+    standard one: the two regimes of one cell are two rows, never one."""
+    return name if reform == "standard" else f"{name} [{reform}]"
+
+
+def _heatmap(rows: list[dict[str, Any]], out: Path) -> str:
     """The steady-state overhead of each architecture x mechanism (blank: none measured)."""
     import matplotlib.pyplot as plt
 
     mechs = sorted({r["mechanism"] for r in rows})
+    archs = sorted({_regime_label(r["architecture"], r["reform"]) for r in rows})
     grid = [[math.nan] * len(mechs) for _ in archs]
     for r in rows:
         if r["overhead_pct"] is not None:
-            grid[archs.index(r["architecture"])][mechs.index(r["mechanism"])] = r["overhead_pct"]
+            row = archs.index(_regime_label(r["architecture"], r["reform"]))
+            grid[row][mechs.index(r["mechanism"])] = r["overhead_pct"]
     fig, ax = plt.subplots(figsize=(1.2 * len(mechs) + 2, 0.6 * len(archs) + 1.5))
     im = ax.imshow(grid, cmap="viridis", aspect="auto")
     ax.set_xticks(range(len(mechs)), mechs, rotation=45, fontsize=8)
@@ -358,20 +334,33 @@ def _loss_throughput_figure(arch: str, mine: list[Cell], out: Path) -> str:
 
 def _plot_trace(loss_ax: Any, tput_ax: Any, here: list[Cell]) -> None:
     """The baseline's and each cell's first trial's curves, on one trace's two axes."""
+    import matplotlib.pyplot as plt
+
     base = next((c.baseline for c in here if c.baseline is not None), None)
     if base is not None:
         loss_ax.plot(
             base.curve.wall_s, _smooth(base.curve.loss), color="black", lw=2, label="baseline"
         )
+    mechs = sorted({c.mechanism for c in here})
+    colors = plt.get_cmap("tab10")
     for c in here:
         run = c.trials[0]
-        (line,) = loss_ax.plot(run.curve.wall_s, _smooth(run.curve.loss), label=c.mechanism)
+        # one color per mechanism; a regime other than the standard one is dashed
+        (line,) = loss_ax.plot(
+            run.curve.wall_s,
+            _smooth(run.curve.loss),
+            label=_regime_label(c.mechanism, c.reform),
+            color=colors(mechs.index(c.mechanism) % 10),
+            linestyle="-" if c.reform == "standard" else "--",
+        )
         t0 = min(r.t_start for r in run.records)
         for t in run.t_injected:
             loss_ax.axvline(t - t0, color=line.get_color(), linestyle=":", alpha=0.6)
         if run.t_injected:
             x, y = _throughput(run, run.t_injected[0])
-            tput_ax.plot(*_gaps(x, _smooth(y)), color=line.get_color())
+            tput_ax.plot(
+                *_gaps(x, _smooth(y)), color=line.get_color(), linestyle=line.get_linestyle()
+            )
 
 
 def _throughput(run: Run, t_fail: float) -> tuple[list[float], list[float]]:
@@ -442,6 +431,10 @@ def _effect(cmp: stats.Comparison | None) -> str:
     return text
 
 
+def _trials(n: int) -> str:
+    return f"{n}{findings_mod.ONE_TRIAL_MARK}" if 0 < n < findings_mod.MIN_TRIALS else str(n)
+
+
 def _cells_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     head = [
         "cell", "trials", "overhead % (95% CI)", *[f"{p} s" for p in SHOWN_PHASES],
@@ -457,7 +450,8 @@ def _cells_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]
         sb = r["state_bytes_per_rank"]
         body.append(
             [
-                r["cell"], str(r["trials"]), ov, *[_fmt(r["phases_s"][p]) for p in SHOWN_PHASES],
+                r["cell"], _trials(r["trials"]), ov,
+                *[_fmt(r["phases_s"][p]) for p in SHOWN_PHASES],
                 _fmt(r["lost_steps"]),
                 f"{_fmt(r['samples_per_s_before'])} -> {_fmt(r['samples_per_s_after'])}",
                 loss, loss_samples, _fmt(r["time_to_baseline_loss_s"]), r["oracle"],
@@ -465,6 +459,14 @@ def _cells_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]
             ]
         )  # fmt: skip
     return head, body
+
+
+_HOW = (
+    "Overhead is against the matched baseline's mean step time; phases are medians, each from "
+    "the phase before it; loss vs baseline is Welch's t-test on the losses around the end of "
+    "the shorter run at matched wall-clock time, and again at matched samples (difference of "
+    "means, 95% interval)."
+)
 
 
 def write(db: Database, out: Path, sweep_id: str | None = None) -> dict[str, Any]:
@@ -476,24 +478,29 @@ def write(db: Database, out: Path, sweep_id: str | None = None) -> dict[str, Any
     rows = [cell_row(c) for c in ran]
     figures = _figures(ran, rows, out)
     found = findings(rows)
+    vs = paper_section.section(rows, out)
     head, body = _cells_table(rows)
+    parts_head, parts_body = reform_report.parts_table(rows)
     md = [
         f"# FailBench-Ray report: sweep {sweep.name} ({sweep.id})",
         "",
         f"{len(ran)} cells ran, {len(skipped)} skipped, "
-        f"{sum(c.status == 'failed' for c in cells)} failed. Overhead is against the matched "
-        "baseline's mean step time; phases are medians, each from the phase before it; loss vs "
-        "baseline is Welch's t-test on the losses around the end of the shorter run at matched "
-        "wall-clock time, and again at matched samples (difference of means, 95% interval).",
+        f"{sum(c.status == 'failed' for c in cells)} failed. {_HOW}",
         "",
+        *smoke_note(sweep.name),
         "## Findings",
         *[f"- {f}" for f in found or ["(no completed cells with a fault-tolerance mechanism)"]],
         "",
+        "## Paper vs this run",
+        *vs.markdown(),
         "## Cells",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
-        *["| " + " | ".join(row) + " |" for row in body],
+        *markdown.table(head, body),
+        "## Re-formation",
+        "Median seconds of each part, from `quiesced` to `reformed`: the replacements up, every "
+        "member at the store, every group connected, the first collective, the trainers built; "
+        "then the restore (to `restored`).",
         "",
+        *markdown.table(parts_head, parts_body),
         "## Not applicable",
         *[f"- {c.name}: {c.reason}" for c in skipped],
         "",
@@ -502,11 +509,18 @@ def write(db: Database, out: Path, sweep_id: str | None = None) -> dict[str, Any
         "",
     ]
     (out / "report.md").write_text("\n".join(md))
-    (out / "report.html").write_text(_html(sweep, found, head, body, skipped, figures))
+    tables = [
+        ("Paper vs this run", vs.head, vs.body),
+        ("Cells", head, body),
+        ("Re-formation", parts_head, parts_body),
+    ]
+    figures = [*vs.figures, *figures]
+    (out / "report.html").write_text(_html(sweep, found, tables, skipped, figures, vs.notes))
     return {
         "sweep_id": sweep.id,
         "cells": rows,
         "findings": found,
+        "paper": vs.json(),
         "figures": figures,
         "skipped": [{"cell": c.name, "reason": c.reason} for c in skipped],
     }
@@ -515,10 +529,10 @@ def write(db: Database, out: Path, sweep_id: str | None = None) -> dict[str, Any
 def _html(
     sweep: Sweep,
     found: list[str],
-    head: list[str],
-    body: list[list[str]],
+    tables: list[tuple[str, list[str], list[list[str]]]],
     skipped: list[Cell],
     figures: list[str],
+    notes: list[str],
 ) -> str:
     e = html.escape
 
@@ -526,19 +540,28 @@ def _html(
         parts = e(text).split("**")
         return "".join(f"<b>{p}</b>" if i % 2 else p for i, p in enumerate(parts))
 
-    rows = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in body)
+    def table(title: str, head: list[str], body: list[list[str]]) -> str:
+        cells = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in body)
+        return (
+            f"<h2>{e(title)}</h2><table><tr>"
+            + "".join(f"<th>{e(h)}</th>" for h in head)
+            + f"</tr>{cells}</table>"
+        )
+
     return (
         "<!doctype html><html><head><meta charset='utf-8'>"
         f"<title>FailBench-Ray report: {e(sweep.name)}</title>"
         "<style>body{font-family:sans-serif}table{border-collapse:collapse;font-size:12px}"
         "td,th{border:1px solid #ccc;padding:2px 6px}</style></head><body>"
         f"<h1>FailBench-Ray report: sweep {e(sweep.name)}</h1>"
-        "<h2>Findings</h2><ul>" + "".join(f"<li>{bold(f)}</li>" for f in found) + "</ul>"
-        "<h2>Cells</h2><table><tr>"
-        + "".join(f"<th>{e(h)}</th>" for h in head)
-        + "</tr>"
-        + rows
-        + "</table><h2>Not applicable</h2><ul>"
+        + "".join(f"<p>{e(n)}</p>" for n in smoke_note(sweep.name) if n)
+        + "<h2>Findings</h2><ul>"
+        + "".join(f"<li>{bold(f)}</li>" for f in found)
+        + "</ul>"
+        + "".join(table(*t) for t in tables[:1])
+        + "".join(f"<p>{e(n.removeprefix('- '))}</p>" for n in notes if n)
+        + "".join(table(*t) for t in tables[1:])
+        + "<h2>Not applicable</h2><ul>"
         + "".join(f"<li>{e(c.name)}: {e(c.reason or '')}</li>" for c in skipped)
         + "</ul><h2>Figures</h2>"
         + "".join(f"<p><img src='{e(n)}' alt='{e(n)}'></p>" for n in figures)

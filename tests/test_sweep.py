@@ -24,6 +24,7 @@ from failbench_ray import catalog
 from failbench_ray import sweep as sw
 from failbench_ray.checks import resolve
 from failbench_ray.errors import NotApplicableError, SpecError
+from failbench_ray.models import param_count
 from failbench_ray.storage import repo
 from failbench_ray.storage.db import Database
 from failbench_ray.storage.tables import Experiment, SweepCell
@@ -279,6 +280,30 @@ def test_paper_matrix_expands_to_every_pair_and_trace() -> None:
     assert all(not c.skipped for c in cells if c.mechanism in ("none", "disk_ckpt")), [
         (c.key, c.reason) for c in cells if c.skipped and c.mechanism in ("none", "disk_ckpt")
     ]
+
+
+def test_the_findings_sweep_is_sized_for_the_papers_claims() -> None:
+    """Issue 18: state of the paper's order (500 MB of parameters and Adam state per rank on
+    the replicated layouts, 1 GB did not fit this machine with replicas; over 100 MB on the
+    sharded ones), 3 trials a cell, the steady state spanning 3 checkpoint intervals or more,
+    and the cells each claim needs."""
+    cells = sw.expand(sw.load_sweep(REPO / "examples" / "findings.yaml"))
+    ran = [c for c in cells if not c.skipped]
+    assert all(c.spec is not None for c in ran)
+    spec = ran[0].spec
+    assert spec is not None
+    whole = 3 * 4 * param_count(spec.model)  # fp32 parameters + Adam's two moments
+    assert whole >= 500e6 and whole / spec.world_size >= 100e6  # ddp's and a quarter shard's
+    for c in ran:
+        assert c.spec is not None and c.spec.trials >= 3
+        interval = c.spec.mechanism.params.get("interval")
+        if interval:
+            steady = c.spec.failures.model_dump()["events"][0]["at_step"] - c.spec.warmup_steps
+            assert steady >= 3 * interval, c.key
+    have = {(c.architecture, c.mechanism) for c in ran}
+    assert {("ddp", m) for m in ("disk_ckpt", "inmem_replica", "jit_ckpt")} <= have  # claim 1
+    assert any(a == "gossip" for a, _ in have)  # claim 2
+    assert {a for a, m in have if m == "inmem_replica"} == set(ARCHITECTURES.names())  # claim 3
 
 
 # ---------------------------------------------------------------------------------------------
