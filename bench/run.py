@@ -26,6 +26,9 @@ Goals (each reported with the numbers measured, the goal, and whether it was met
    resumed on the quickstart <= 0.5 s (median of 5; beside `reform: standard` and Ray Train
    restarting the same job, as a ratio), and every cold replacement's reformed - quiesced <= a
    new worker's start-up (measured in the same run) + 0.3 s, the oracle exact throughout.
+10. detectors (`bench/detectors.py`, issue 19): a hang (SIGSTOP) and a held GIL found by the
+   heartbeat within 2 s at its default timeout, every trial; no false alarm in 1,000 fault-free
+   steps.
 
 Ray and the project's runner are imported inside functions: the plain loop's spawned processes
 import this module (it is `__main__`) and must not pay for Ray.
@@ -60,6 +63,7 @@ from bench.common import (
     status_of,
     timed_command,
 )
+from bench.detectors import detectors_text, goal_detectors
 from bench.health import goal_api_health
 from bench.monitoring import goal_metrics_overhead
 from bench.peers import goal_dcp_peer, goal_ray_train
@@ -679,6 +683,7 @@ _MECHANISM_TEXTS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
     ("hot_spare_recovery", _hot_spare_recovery_text),
     ("ray_train_peer", _ray_train_peer_text),
     ("reform", reform_text),
+    ("detectors", detectors_text),
     ("dcp_peer", _dcp_peer_text),
     ("metrics_overhead", _metrics_overhead_text),
     ("api_load", _api_load_text),
@@ -800,12 +805,25 @@ def _ray_goal_rows(cfg: BenchConfig) -> list[_GoalRow]:
             True,
             lambda env: goal_ray_train(env, cfg),
         ),
+        *_recovery_goal_rows(cfg),
+    ]
+
+
+def _recovery_goal_rows(cfg: BenchConfig) -> list[_GoalRow]:
+    """Issue 17's and 19's goals: re-formation, the detectors."""
+    return [
         (
             "reform",
             "reform fast: hot_spare kill -> resumed <= 0.5 s; cold re-formation <= start-up "
             "+ 0.3 s",
             True,
             lambda env: goal_reform(env, cfg),
+        ),
+        (
+            "detectors",
+            "a hang found by the heartbeat <= 2 s; no false alarm in 1,000 fault-free steps",
+            True,
+            lambda env: goal_detectors(env, cfg),
         ),
     ]
 

@@ -10,9 +10,9 @@ from pydantic import BaseModel
 from architectures import ARCHITECTURES
 from failbench_ray.checks import resolve
 from failbench_ray.errors import SpecError
-from failbench_ray.spec import ExperimentSpec, PartSpec, load_spec, parse_spec
+from failbench_ray.spec import DetectorSpec, ExperimentSpec, PartSpec, load_spec, parse_spec
 from failbench_ray.sweep import standard_trace
-from injector.kill_kinds import KILL_KINDS
+from injector.kill_kinds import DETECTORS, KILL_KINDS
 from injector.traces import TRACE_KINDS
 from mechanisms import MECHANISMS
 
@@ -37,7 +37,20 @@ def catalog() -> dict[str, list[dict[str, Any]]]:
             for n, m in MECHANISMS.items()
         ],
         "traces": [{"name": n, "summary": t.summary} for n, t in TRACE_KINDS.items()],
-        "kill_kinds": [{"name": n, "summary": k.summary} for n, k in KILL_KINDS.items()],
+        "kill_kinds": [
+            {
+                "name": n,
+                "summary": k.summary,
+                "params": _params(k.params),
+                "detector": k.detector,
+                "inside_worker": k.by_worker,
+            }
+            for n, k in KILL_KINDS.items()
+        ],
+        "detectors": [
+            {"name": n, "summary": what, "params": _params(DetectorSpec) if n != "death" else {}}
+            for n, what in DETECTORS.items()
+        ],
     }
 
 

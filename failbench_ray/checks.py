@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 from architectures import ARCHITECTURES, Architecture
 from failbench_ray.errors import NotApplicableError, SpecError
 from failbench_ray.spec import ExperimentSpec
-from injector.kill_kinds import KILL_KINDS
+from injector.kill_kinds import KILL_KINDS, KillKind
 from injector.traces import check_trace
 from mechanisms import MECHANISMS, Mechanism
 
@@ -37,6 +37,20 @@ def _params(model: type[BaseModel], data: dict, where: str) -> BaseModel:
         ) from None
 
 
+def _kill_params(kind: KillKind, data: dict[str, Any], index: int) -> None:
+    where = f"failures.events[{index}].kill_params"
+    try:
+        kind.params.model_validate(data)
+    except ValidationError as err:
+        e = err.errors()[0]
+        loc = ".".join(str(p) for p in e["loc"])
+        known = ", ".join(kind.params.model_fields) or "none"
+        raise SpecError(
+            f"invalid spec: {where}.{loc}: {e['msg']} ({kind.name}'s parameters: {known})",
+            ("failures", "events", index, "kill_params", *e["loc"]),
+        ) from None
+
+
 def _part(registry: Any, name: str, field: str) -> Any:
     try:
         return registry.get(name)
@@ -51,11 +65,19 @@ def resolve(spec: ExperimentSpec) -> Resolved:
     mech = mech_cls(spec, _params(mech_cls.Params, spec.mechanism.params, "mechanism"))
     arch.check()
     check_trace(spec.failures)
-    for event in spec.failures.events:
-        if KILL_KINDS.get(event.kill).by_worker and event.worker_point is None:
+    for i, event in enumerate(spec.failures.events):
+        kind = _part(KILL_KINDS, event.kill, "failures")
+        _kill_params(kind, event.kill_params, i)
+        if kind.by_worker and event.worker_point is None:
             raise SpecError(
                 f"kill={event.kill} needs a trigger inside the worker (at_step, or during: "
                 f"checkpoint_write), not {event.trigger}; use sigkill or ray_kill for that"
+            )
+        if kind.detector == "heartbeat" and spec.detectors.heartbeat_timeout_s is None:
+            raise SpecError(
+                f"kill={event.kill} leaves the process alive and only the heartbeat finds it, "
+                "but detectors.heartbeat_timeout_s is off; set it (default 1.5 s)",
+                ("detectors", "heartbeat_timeout_s"),
             )
     reason = mech.not_applicable(arch)
     if reason:

@@ -527,6 +527,7 @@ def _print_tables(r: dict[str, Any]) -> None:
         ranks = ",".join(map(str, f["ranks"]))
         out.print(
             f"failure #{n} (trial {trial}): rank {ranks} {f['kill_kind']} at {f['trigger']}, "
+            f"detected by {f.get('detector') or 'death'}, "
             f"restored from step {f['restored_from_step']} ({f['lost_steps']} steps lost), "
             f"quiesce {f['quiesce']}"
             + (f" ({f['quiesce_reason']})" if f.get("quiesce_reason") else "")
@@ -652,14 +653,18 @@ def _list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
         return EXIT_OK
-    for section in ("architectures", "mechanisms", "traces", "kill_kinds"):
+    for section in ("architectures", "mechanisms", "traces", "kill_kinds", "detectors"):
         t = Table(title=section.replace("_", " "))
         t.add_column("name")
         t.add_column("what")
         t.add_column("parameters")
+        kills = section == "kill_kinds"
+        if kills:
+            t.add_column("detected by")
         for item in data[section]:
             params = ", ".join(f"{k}={v.get('default')}" for k, v in item.get("params", {}).items())
-            t.add_row(item["name"], item["summary"], params or "-")
+            row = [item["name"], item["summary"], params or "-"]
+            t.add_row(*row, *([item["detector"]] if kills else []))
         out.print(t)
     return EXIT_OK
 

@@ -80,6 +80,7 @@ class FailureRecord:
     # without them), "" (no recovery plan was made).
     replacement: str = ""
     quiesce_reason: str = ""  # why `quiesce` is not the strategy the spec asked for, if not
+    detector: str = "death"  # what found it (`kill_kinds.DETECTORS`)
 
     @property
     def lost_steps(self) -> int | None:

@@ -20,7 +20,7 @@ from typing import Any
 from sqlalchemy import select
 
 from failbench_ray import findings as findings_mod
-from failbench_ray import markdown, paper_section, reform_report, results, stats
+from failbench_ray import kinds_report, markdown, paper_section, reform_report, results, stats
 from failbench_ray.errors import SweepNotFound
 from failbench_ray.records import PHASES, StepRecord
 from failbench_ray.results import ExperimentResult
@@ -481,6 +481,9 @@ def write(db: Database, out: Path, sweep_id: str | None = None) -> dict[str, Any
     vs = paper_section.section(rows, out)
     head, body = _cells_table(rows)
     parts_head, parts_body = reform_report.parts_table(rows)
+    kinds_md, kinds_head, kinds_body = kinds_report.section(
+        (c.mechanism, c.result) for c in ran if c.result is not None
+    )
     md = [
         f"# FailBench-Ray report: sweep {sweep.name} ({sweep.id})",
         "",
@@ -501,6 +504,7 @@ def write(db: Database, out: Path, sweep_id: str | None = None) -> dict[str, Any
         "then the restore (to `restored`).",
         "",
         *markdown.table(parts_head, parts_body),
+        *kinds_md,
         "## Not applicable",
         *[f"- {c.name}: {c.reason}" for c in skipped],
         "",
@@ -513,6 +517,7 @@ def write(db: Database, out: Path, sweep_id: str | None = None) -> dict[str, Any
         ("Paper vs this run", vs.head, vs.body),
         ("Cells", head, body),
         ("Re-formation", parts_head, parts_body),
+        ("Fault kinds", kinds_head, kinds_body),
     ]
     figures = [*vs.figures, *figures]
     (out / "report.html").write_text(_html(sweep, found, tables, skipped, figures, vs.notes))

@@ -59,6 +59,7 @@ class FailureResult(BaseModel):
     # cold: new processes (torch imported inside the recovery); warm: standbys that ran
     # already (hot spares); none: training went on without the dead ranks
     replacement: str = ""
+    detector: str = "death"  # what found it: death (the process ended) or heartbeat (a hang)
     restore_source: str
     interrupted_by: int | None = None
     phases: PhaseTimes
@@ -225,6 +226,7 @@ def failure_result(f: FailureRecord) -> FailureResult:
         quiesce=f.quiesce,
         quiesce_reason=f.quiesce_reason,
         replacement=f.replacement,
+        detector=f.detector,
         restore_source=f.restore_source,
         interrupted_by=f.interrupted_by,
         phases=PhaseTimes(**{f"{p}_s": f.phases.get(p) for p in PHASES}),

@@ -120,7 +120,19 @@ class FailureEvent(_Strict):
         description="Cascading: kill when the recovery from the previous failure enters this "
         "phase (quiescing, reforming, restoring, resuming).",
     )
-    kill: str = Field("sigkill", description="Kill kind: sigkill, ray_kill or exit.")
+    kill: str = Field(
+        "sigkill", description="Kill kind (`failbench list` shows them): sigkill, hang, ..."
+    )
+    kill_params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The kill kind's own parameters (e.g. preempt's notice_s).",
+    )
+
+    @field_validator("kill_params")
+    @classmethod
+    def _storable(cls, params: dict[str, Any]) -> dict[str, Any]:
+        _plain_params(params)
+        return params
 
     @model_validator(mode="before")
     @classmethod
@@ -181,13 +193,27 @@ class FailureTrace(_Strict):
         # `{kind: single, rank: 3, at_step: 25}` is shorthand for one event.
         if not isinstance(data, dict):
             return data
-        keys = {"rank", "ranks", "at_step", "at_seconds", "during", "kill"}
+        keys = {"rank", "ranks", "at_step", "at_seconds", "during", "kill", "kill_params"}
         inline = {k: v for k, v in data.items() if k in keys}
         if inline:
             rest = {k: v for k, v in data.items() if k not in keys}
             rest["events"] = [inline, *rest.get("events", [])]
             return rest
         return data
+
+
+class DetectorSpec(_Strict):
+    """Detectors of failures that do not end a process (`failbench list` shows which kind
+    each one finds)."""
+
+    heartbeat_timeout_s: float | None = Field(
+        1.5,
+        gt=0,
+        le=DAY_S,
+        description="A rank that answers no progress ping for this long while other ranks "
+        "answer is hung: it is killed and recovered like a crash. None: no heartbeat (a hang "
+        "then ends the trial through stall_timeout_s).",
+    )
 
 
 class Quiesce(str, Enum):
@@ -224,6 +250,7 @@ class ExperimentSpec(_Strict):
         default_factory=lambda: PartSpec(name="none"), description="Fault-tolerance mechanism."
     )
     failures: FailureTrace = Field(default_factory=FailureTrace)
+    detectors: DetectorSpec = Field(default_factory=DetectorSpec)
     pg_timeout_s: float = Field(
         1800.0,
         gt=0,

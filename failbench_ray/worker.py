@@ -19,6 +19,7 @@ import random
 import signal
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,11 +42,11 @@ from failbench_ray.replication import Packed, ReplicaStore, unpack
 from failbench_ray.spec import ExperimentSpec
 from failbench_ray.telemetry import Recorder
 from failbench_ray.worker_copies import HoldsCopies
+from failbench_ray.worker_faults import TakesFaults
 from failbench_ray.worker_reuse import Reusable
+from injector.kill_kinds import InjectedException
 from mechanisms import MECHANISMS
 from mechanisms.base import HookContext, Hooks, RestoreInstruction
-
-_FAILPOINT_WAIT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def read_record_log(run_dir: Path, pid: int) -> tuple[list[StepRecord], list[Che
     return records, events
 
 
-class Worker(HoldsCopies, Reusable):
+class Worker(HoldsCopies, Reusable, TakesFaults):
     """One rank, or (rank -1) a hot spare that mirrors state until it takes a dead rank's place.
 
     Besides training, every worker can hold copies of other ranks' state and hand out its own
@@ -181,6 +182,7 @@ class Worker(HoldsCopies, Reusable):
         self.generation = -1
         self.step = 0
         self.armed: dict[tuple[str, int], int] = {}
+        self._save_steps: set[int] = set()  # steps to save off the schedule (`save_at`)
         self._records: list[StepRecord] = []
         self._checkpoints: list[CheckpointEvent] = []
         # Every record also goes to a per-process file as the step ends: a SIGKILL loses the
@@ -220,7 +222,10 @@ class Worker(HoldsCopies, Reusable):
         os.kill(raylet, signal.SIGKILL)
         os._exit(1)
 
+    @ray.method(concurrency_group="beat")
     def progress(self) -> int:
+        """The heartbeat's ping: a thread of its own, so a busy `serve_peer` (a parameter
+        server's pushes) never delays it and only a hung process leaves it unanswered."""
         return self.step
 
     def identity(self) -> dict[str, Any]:
@@ -307,6 +312,8 @@ class Worker(HoldsCopies, Reusable):
         # Copies and snapshots after `step` belong to a timeline that was just rolled back.
         self.replicas.truncate(step)
         self.snapshots = {s: p for s, p in self.snapshots.items() if s <= step}
+        with self._lock:
+            self._save_steps.clear()
         self.step = step
         return events
 
@@ -331,6 +338,10 @@ class Worker(HoldsCopies, Reusable):
         self._running = True
         try:
             return self._run(start, end, armed)
+        except InjectedException:
+            # As a training script dies of a bug: the traceback on stderr, the process ends.
+            traceback.print_exc()
+            os._exit(1)
         finally:
             self._running = False
 
@@ -354,6 +365,8 @@ class Worker(HoldsCopies, Reusable):
                 return self._report("aborted", f"{type(err).__name__}: {err}".splitlines()[0])
             t1 = time.time()
             checkpoints = self.hooks.after_step(step, self.trainer)
+            if self._save_due(step) and not checkpoints:  # (none already saved on schedule)
+                checkpoints += self.hooks.save_now(step, self.trainer)
             t2 = time.time()
             record = StepRecord(
                 self.rank, step, self.generation, out.loss, t0, t2, out.samples, t2 - t1
@@ -385,16 +398,8 @@ class Worker(HoldsCopies, Reusable):
         records, checkpoints = self.drain()
         return RunReport(self.rank, status, self.step, records, checkpoints, reason, time.time())
 
-    def _failpoint(self, where: str, step: int) -> None:
-        index = self.armed.pop((where, step), None)
-        if index is None:
-            return
-        action = ray.get(
-            self.chaos.reached.remote(index, self.rank, step), timeout=_FAILPOINT_WAIT_S
-        )
-        if action == "exit":
-            os._exit(1)
-
 
 # Concurrency per group, see the module docstring (several sources may pull from one rank).
-WorkerActor = ray.remote(max_concurrency=2, concurrency_groups={"serve": 4, "pull": 4})(Worker)
+WorkerActor = ray.remote(max_concurrency=2, concurrency_groups={"serve": 4, "pull": 4, "beat": 1})(
+    Worker
+)

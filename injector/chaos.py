@@ -6,6 +6,8 @@ Three kinds of trigger:
 - time (`at_seconds` after `start()`): a timer thread kills;
 - a recovery phase (`during`): the controller calls `on_phase()` as each phase starts, and the
   next cascading event fires there, before the phase does any work.
+A kind with a notice (`preempt`) is noticed at its trigger (`noticed()` says so to the driver,
+which may save state) and strikes `notice_s` later; its injection is recorded when it strikes.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class Chaos:
         self.stop()
         self.events = [FailureEvent.model_validate(e) for e in events]
         self._fired: dict[int, Injection] = {}
+        self._noticed: dict[int, float] = {}  # noticed, not struck yet: index -> when it strikes
         self._arrived: dict[int, set[int]] = {}
         self._targets: dict[int, Target] = {}
         self._timers = []
@@ -68,7 +71,8 @@ class Chaos:
                 self._timers.append(t)
 
     def reached(self, index: int, rank: int, step: int) -> str:
-        """A victim reached its failpoint. Returns "exit" if it must end itself, else "go"."""
+        """A victim reached its failpoint. Returns the kind's name if it must do the kind to
+        itself (`kill_kinds.worker_side`), else "go"."""
         event = self.events[index]
         with self._cond:
             self._arrived.setdefault(index, set()).add(rank)
@@ -76,7 +80,7 @@ class Chaos:
                 self._fire_locked(index, step)
             else:
                 self._cond.wait_for(lambda: index in self._fired, timeout=_ARRIVAL_TIMEOUT_S)
-        return "exit" if KILL_KINDS.get(event.kill).by_worker and index in self._fired else "go"
+        return event.kill if KILL_KINDS.get(event.kill).by_worker and index in self._fired else "go"
 
     def on_phase(self, phase: str, committed_step: int) -> list[Injection]:
         """A recovery phase starts: fire the next cascading event that waits for it."""
@@ -90,8 +94,14 @@ class Chaos:
         return []
 
     def injections(self) -> list[Injection]:
+        """The failures that struck (a noticed one only once it has)."""
         with self._cond:
-            return [self._fired[i] for i in sorted(self._fired)]
+            return [self._fired[i] for i in sorted(self._fired) if i not in self._noticed]
+
+    def noticed(self) -> dict[int, tuple[list[int], float]]:
+        """Notices given whose failure has not struck yet: index -> (ranks, when it strikes)."""
+        with self._cond:
+            return {i: (self.events[i].ranks, t) for i, t in self._noticed.items()}
 
     def fired(self) -> list[int]:
         with self._cond:
@@ -109,10 +119,42 @@ class Chaos:
     def _fire_locked(self, index: int, step: int | None) -> Injection:
         event = self.events[index]
         kind = KILL_KINDS.get(event.kill)
+        params = kind.params.model_validate(event.kill_params)
+        if kind.notice_s is not None:
+            delay = kind.notice_s(params)
+            self._noticed[index] = time.time() + delay
+            log.warning(
+                "failure %d: %s noticed to rank(s) %s, strikes in %gs",
+                index,
+                event.kill,
+                event.ranks,
+                delay,
+            )
+            timer = threading.Timer(
+                delay, self._strike, args=(index, None)
+            )  # step: unknown by then
+            timer.daemon = True
+            timer.start()
+            self._timers.append(timer)
+            inj = Injection(index, list(event.ranks), event.kill, event.trigger, time.time(), step)
+            self._fired[index] = inj  # fired: the victims go on training until it strikes
+            self._cond.notify_all()
+            return inj
+        return self._kill_locked(index, step)
+
+    def _strike(self, index: int, step: int | None) -> None:
+        with self._cond:
+            if self._noticed.pop(index, None) is not None:
+                self._kill_locked(index, step)
+
+    def _kill_locked(self, index: int, step: int | None) -> Injection:
+        event = self.events[index]
+        kind = KILL_KINDS.get(event.kill)
+        params = kind.params.model_validate(event.kill_params)
         t = time.time()
         ranks = list(event.ranks)
         if kind.kill is not None:
-            ranks = kind.kill(ranks, self._targets)
+            ranks = kind.kill(ranks, self._targets, params)
         where = sorted({self._targets[r].node_id[:8] for r in ranks if r in self._targets})
         log.warning(
             "failure %d: %s killed rank(s) %s (pid %s, node %s) at %s, step %s",

@@ -1,18 +1,28 @@
-"""Kill kinds: how workers are made to fail-stop. Each is one entry in `KILL_KINDS`.
+"""Kill kinds: how a worker is made to fail. Each is one entry in `KILL_KINDS`.
 
-A kind that is not `by_worker` is executed by the chaos actor: given the event's ranks and
-every current target, it kills and returns the ranks it took down (a `node` kill takes every
-rank on the victim's node, not only the one the event names).
+A kind that is not `by_worker` is done to the process from outside by the chaos actor: given
+the event's ranks, every current target and the event's validated parameters, it acts and
+returns the ranks it hit (a `node` kill takes every rank on the victim's node). A `by_worker`
+kind is done by the victim itself when it reaches its failpoint (`worker_side`): faults that
+come from inside the process (a segfault in native code, an uncaught exception).
+
+Each kind names the detector that finds it: `death` (the process is gone and Ray says so) or
+`heartbeat` (the process lives but answers nothing: the driver's progress heartbeat times out).
+A kind with a notice (`preempt`) tells the driver first and strikes `notice_s` later.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from failbench_ray.registry import Registry
 
@@ -25,7 +35,32 @@ class Target(NamedTuple):
     node_id: str = ""
 
 
-KillFn = Callable[[list[int], dict[int, Target]], list[int]]
+class NoParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class GilHangParams(NoParams):
+    hold_s: float = Field(3600.0, gt=0, le=86_400, description="How long the thread holds the GIL.")
+
+
+class PreemptParams(NoParams):
+    notice_s: float = Field(
+        2.0, ge=0, le=3600, description="Seconds between the notice and the SIGTERM."
+    )
+    grace_s: float = Field(
+        5.0, ge=0, le=3600, description="Seconds between the SIGTERM and the SIGKILL."
+    )
+
+
+KillFn = Callable[[list[int], dict[int, Target], Any], list[int]]
+
+# What finds a failure of each kind (`failbench list` shows them).
+DETECTORS: dict[str, str] = {
+    "death": "the worker's process is gone: Ray fails the calls to its actor",
+    "heartbeat": "the driver's progress heartbeat: a rank that answers no ping for "
+    "detectors.heartbeat_timeout_s while others do is hung; it is killed and recovered like a "
+    "crash",
+}
 
 
 @dataclass(frozen=True)
@@ -34,17 +69,21 @@ class KillKind:
     summary: str
     by_worker: bool  # True: the victim ends itself when told (it must reach a failpoint)
     kill: KillFn | None = None  # run by the chaos actor for kinds that are not `by_worker`
+    params: type[NoParams] = NoParams
+    detector: str = "death"
+    # Seconds of notice before `kill` runs (None: no notice): the driver may act on it.
+    notice_s: Callable[[Any], float] | None = None
 
 
-def _kill_pids(pids: list[int]) -> None:
+def _kill_pids(pids: list[int], sig: int = signal.SIGKILL) -> None:
     for pid in pids:
-        with contextlib.suppress(ProcessLookupError):  # already gone: nothing to kill
-            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # already gone: nothing to signal
+            os.kill(pid, sig)
 
 
-def _sigkill(ranks: list[int], targets: dict[int, Target]) -> list[int]:
-    """SIGKILL each rank's process: from here when it runs on this node, else from a task
-    placed on its node (a signal cannot cross machines)."""
+def signal_ranks(ranks: list[int], targets: dict[int, Target], sig: int) -> list[int]:
+    """Send `sig` to each rank's process: from here when it runs on this node, else from a
+    task placed on its node (a signal cannot cross machines)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -52,13 +91,13 @@ def _sigkill(ranks: list[int], targets: dict[int, Target]) -> list[int]:
     by_node: dict[str, list[int]] = {}
     for rank in ranks:
         by_node.setdefault(targets[rank].node_id or here, []).append(targets[rank].pid)
-    _kill_pids(by_node.pop(here, []))
+    _kill_pids(by_node.pop(here, []), sig)
     if not by_node:
         return list(ranks)
     remote = ray.remote(num_cpus=0, max_retries=0)(_kill_pids)
     refs = [
         remote.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
-            pids
+            pids, sig
         )
         for node, pids in by_node.items()
     ]
@@ -66,7 +105,31 @@ def _sigkill(ranks: list[int], targets: dict[int, Target]) -> list[int]:
     return list(ranks)
 
 
-def _ray_kill(ranks: list[int], targets: dict[int, Target]) -> list[int]:
+def _sigkill(ranks: list[int], targets: dict[int, Target], _: Any) -> list[int]:
+    return signal_ranks(ranks, targets, signal.SIGKILL)
+
+
+def _hang(ranks: list[int], targets: dict[int, Target], _: Any) -> list[int]:
+    """SIGSTOP: the process keeps its sockets and its actor, and answers nothing."""
+    return signal_ranks(ranks, targets, signal.SIGSTOP)
+
+
+def _gil_hang(ranks: list[int], targets: dict[int, Target], params: GilHangParams) -> list[int]:
+    for rank in ranks:
+        targets[rank].handle.hold_gil.remote(params.hold_s)
+    return list(ranks)
+
+
+def _preempt(ranks: list[int], targets: dict[int, Target], params: PreemptParams) -> list[int]:
+    """The notice ran out: SIGTERM now, SIGKILL after the grace period (as a spot VM ends)."""
+    signal_ranks(ranks, targets, signal.SIGTERM)
+    timer = threading.Timer(params.grace_s, signal_ranks, (ranks, targets, signal.SIGKILL))
+    timer.daemon = True
+    timer.start()
+    return list(ranks)
+
+
+def _ray_kill(ranks: list[int], targets: dict[int, Target], _: Any) -> list[int]:
     import ray
 
     for rank in ranks:
@@ -74,7 +137,7 @@ def _ray_kill(ranks: list[int], targets: dict[int, Target]) -> list[int]:
     return list(ranks)
 
 
-def _node(ranks: list[int], targets: dict[int, Target]) -> list[int]:
+def _node(ranks: list[int], targets: dict[int, Target], _: Any) -> list[int]:
     """The node of each named rank fails: its raylet is SIGKILLed (by one of its own workers,
     so this works on any node of the cluster), and every actor on it dies with it."""
     import ray
@@ -87,6 +150,23 @@ def _node(ranks: list[int], targets: dict[int, Target]) -> list[int]:
     return sorted(r for r, t in targets.items() if t.node_id in nodes)
 
 
+class InjectedException(RuntimeError):
+    """The `exception` kind: raised in the training step like a bug in user code."""
+
+
+def worker_side(kind: str) -> None:
+    """Do a `by_worker` kind to this process (the victim calls this at its failpoint)."""
+    if kind == "exit":
+        os._exit(1)
+    if kind == "segfault":
+        ctypes.string_at(0)  # reads address 0: a real SIGSEGV from native code
+    if kind == "abort":
+        os.abort()  # SIGABRT, as a failed assertion in native code
+    if kind == "exception":
+        raise InjectedException("injected exception in the training step")
+    raise ValueError(f"{kind} is not a kind the worker does to itself")
+
+
 KILL_KINDS: Registry[KillKind] = Registry("kill kind")
 KILL_KINDS.add(
     "sigkill",
@@ -94,6 +174,50 @@ KILL_KINDS.add(
 )
 KILL_KINDS.add("ray_kill", KillKind("ray_kill", "ray.kill of the worker actor", False, _ray_kill))
 KILL_KINDS.add("exit", KillKind("exit", "the worker calls os._exit(1) at the trigger", True))
+KILL_KINDS.add("segfault", KillKind("segfault", "the worker reads address 0: a real SIGSEGV", True))
+KILL_KINDS.add("abort", KillKind("abort", "the worker calls abort(): SIGABRT", True))
+KILL_KINDS.add(
+    "exception",
+    KillKind(
+        "exception",
+        "an uncaught exception in the training step: the process prints it and exits 1",
+        True,
+    ),
+)
+KILL_KINDS.add(
+    "hang",
+    KillKind(
+        "hang",
+        "SIGSTOP of the worker process: it holds its sockets and answers nothing",
+        False,
+        _hang,
+        detector="heartbeat",
+    ),
+)
+KILL_KINDS.add(
+    "gil_hang",
+    KillKind(
+        "gil_hang",
+        "a thread inside the worker holds the GIL for hold_s: the process lives, the actor "
+        "answers nothing",
+        False,
+        _gil_hang,
+        GilHangParams,
+        detector="heartbeat",
+    ),
+)
+KILL_KINDS.add(
+    "preempt",
+    KillKind(
+        "preempt",
+        "spot preemption: a notice, SIGTERM notice_s later, SIGKILL grace_s after that; "
+        "disk_ckpt and async_ckpt save on the notice",
+        False,
+        _preempt,
+        PreemptParams,
+        notice_s=lambda p: float(p.notice_s),
+    ),
+)
 KILL_KINDS.add(
     "node",
     KillKind(

@@ -48,9 +48,14 @@ class AsyncCkptHooks(Hooks):
         self._last: Packed | None = None
 
     def after_step(self, step: int, trainer: Trainer) -> list[CheckpointEvent]:
+        if step % self.ctx.params.interval:
+            return []
+        return self.save_now(step, trainer)
+
+    def save_now(self, step: int, trainer: Trainer) -> list[CheckpointEvent]:
         ctx = self.ctx
         shard = ctx.layout.shard_of_rank[ctx.rank]
-        if step % ctx.params.interval or ctx.layout.writer_of(shard) != ctx.rank:
+        if ctx.layout.writer_of(shard) != ctx.rank:
             return []
         self._wait()  # at most one snapshot in flight (CheckFreq): memory stays bounded
         t0 = time.perf_counter()
@@ -92,6 +97,7 @@ class AsyncCkpt(Mechanism):
     summary = "snapshot in memory every K steps, persist in the background (CheckFreq)"
     Params = AsyncCkptParams
     hooks_cls = AsyncCkptHooks
+    saves_on_notice = True
 
     def latest_checkpoint(self, run_dir: Path, layout: StateLayout) -> int | None:
         return io.latest_complete(run_dir, layout.shard_ids())

@@ -226,6 +226,11 @@ class Hooks:
         may hand it to the ranks that restore (a just-in-time checkpoint). Nothing by default."""
         return []
 
+    def save_now(self, step: int, trainer: Trainer) -> list[CheckpointEvent]:
+        """Save the state of `step` off the schedule (every rank at the same step: the driver
+        asks on a preemption notice). Nothing by default; see `Mechanism.saves_on_notice`."""
+        return []
+
     def close(self) -> None:
         """The trial's last step is done (finish background work)."""
 
@@ -246,6 +251,7 @@ class Mechanism(ABC):
     holder_actor: ClassVar[Any] = None
     spare_actors: int = 0
     rebalances_data: ClassVar[bool] = False  # survivors split the dead ranks' data (elastic)
+    saves_on_notice: ClassVar[bool] = False  # its hooks' `save_now` saves (a preemption notice)
 
     def __init__(self, spec: ExperimentSpec, params: BaseModel) -> None:
         self.spec = spec

@@ -22,9 +22,14 @@ class DiskCkptParams(BaseModel):
 
 class DiskCkptHooks(Hooks):
     def after_step(self, step: int, trainer: Trainer) -> list[CheckpointEvent]:
+        if step % self.ctx.params.interval:
+            return []
+        return self.save_now(step, trainer)
+
+    def save_now(self, step: int, trainer: Trainer) -> list[CheckpointEvent]:
         ctx = self.ctx
         shard = ctx.layout.shard_of_rank[ctx.rank]
-        if step % ctx.params.interval or ctx.layout.writer_of(shard) != ctx.rank:
+        if ctx.layout.writer_of(shard) != ctx.rank:
             return []
         path = io.shard_path(ctx.run_dir, step, shard)
         state = {"step": step, **trainer.state_dict()}
@@ -40,6 +45,7 @@ class DiskCkpt(Mechanism):
     summary = "synchronous checkpoint to disk every K steps (temp file, fsync, rename)"
     Params = DiskCkptParams
     hooks_cls = DiskCkptHooks
+    saves_on_notice = True
 
     def latest_checkpoint(self, run_dir: Path, layout: StateLayout) -> int | None:
         return io.latest_complete(run_dir, layout.shard_ids())

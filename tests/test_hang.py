@@ -67,6 +67,9 @@ def test_a_hung_rank_fails_the_trial_with_a_reason_instead_of_holding_it(
             # The survivor's all-reduce would wait 10 minutes; the watchdog gives up after 3 s.
             "pg_timeout_s": 600,
             "stall_timeout_s": 3,
+            # The heartbeat would find the stopped rank and recover it: this is the watchdog's
+            # test, for runs with the heartbeat off.
+            "detectors": {"heartbeat_timeout_s": None},
         }
     )
     stopped: list[int] = []

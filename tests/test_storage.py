@@ -30,7 +30,7 @@ TABLES = {
     "experiments", "trials", "step_records", "recovery_events", "checkpoint_events",
     "sweeps", "sweep_cells", "dispatchers",
 }  # fmt: skip
-HEAD = "0006"
+HEAD = "0007"
 T0 = 1_736_000_000.0  # epoch seconds: single precision would round these to 128 s
 
 

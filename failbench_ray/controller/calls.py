@@ -89,17 +89,6 @@ class RankCalls:
             self.pending.pop(by_ref[ref], None)
         return gather({by_ref[ref]: ref for ref in refs})
 
-    def ask(self, call: Callable[[Any], Any], timeout: float) -> dict[int, Any]:
-        """Ask every live rank something small; ranks that do not answer in time (or died)
-        are left out. Not a pending call."""
-        refs = {r: call(h) for r, h in self._live().items()}
-        ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
-        answers: dict[int, Any] = {}
-        for r, ref in refs.items():
-            with contextlib.suppress(RayActorError, GetTimeoutError):
-                answers[r] = ray.get(ref, timeout=0)
-        return answers
-
     def probe_dead(self) -> set[int]:
         """Ranks whose actor no longer answers (when a live rank saw some actor die)."""
         refs = {r: h.ready.remote() for r, h in self._live().items()}

@@ -11,6 +11,7 @@ from failbench_ray.errors import RecoveryError
 from failbench_ray.pool import WorkerPool
 from failbench_ray.spec import FailureEvent
 from injector.chaos import ChaosActor, Injection
+from injector.kill_kinds import KILL_KINDS
 
 
 def head_node_id() -> str:
@@ -26,6 +27,8 @@ class ChaosLink:
         self.events = events
         self.label, self.pool = label, pool
         self.actor: Any = None
+        # Whether a kind of the trace gives notice first (only then is it asked each beat).
+        self.has_notices = any(KILL_KINDS.get(e.kill).notice_s is not None for e in events)
 
     def start(self) -> Any:
         """On the head node, which a node kill never takes (see `set_targets`), so the
@@ -52,6 +55,10 @@ class ChaosLink:
 
     def injections(self) -> list[Injection]:
         return list(ray.get(self.actor.injections.remote()))
+
+    def noticed(self) -> dict[int, tuple[list[int], float]]:
+        """Notices given whose failure has not struck yet: index -> (ranks, when it strikes)."""
+        return dict(ray.get(self.actor.noticed.remote()))
 
     def armed(self, rank: int, fired: set[int]) -> dict[tuple[str, int], int]:
         """The failpoints `rank` must stop at (event index by (where, step))."""

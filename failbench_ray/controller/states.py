@@ -32,6 +32,7 @@ from failbench_ray.worker_group import WorkerGroup
 from mechanisms.base import RecoveryPlan, RestoreInstruction
 
 _POLL_S = 0.5  # how often training checks for a stop, progress, spares and regrowth
+_BEAT_S = 0.2  # how often training pings the ranks (the heartbeat) and reads notices
 
 
 class TrialState(ABC):
@@ -43,9 +44,9 @@ class TrialState(ABC):
         """Do this state's work; return the next state."""
 
 
-def failed_ranks(t: Trial, dead: set[int]) -> TrialState:
-    """Ranks died: record the failure, then quiesce whatever still runs."""
-    t.detected(dead)
+def failed_ranks(t: Trial, dead: set[int], detector: str = "death") -> TrialState:
+    """Ranks died (or hung): record the failure, then quiesce whatever still runs."""
+    t.detected(dead, detector)
     return Quiescing()
 
 
@@ -92,8 +93,9 @@ class Training(TrialState):
         reports: dict[int, RunReport] = {}
         last_poll = time.monotonic()
         t.watchdog.restart()
+        t.restart_beats()
         while t.calls.pending:
-            got = t.calls.next_done(timeout=_POLL_S)
+            got = t.calls.next_done(timeout=_BEAT_S)
             reports.update(got.values)
             t.survivor_steps = {r: rep.last_step for r, rep in reports.items()}
             t.absorb(got.values.values())
@@ -102,10 +104,14 @@ class Training(TrialState):
             if got.errors:
                 rank, err = got.first_error()
                 raise RecoveryError(f"rank {rank} failed: {err}")
+            hung = t.beat()
+            if hung:
+                t.end_hung(hung)
+                return failed_ranks(t, hung, "heartbeat")
             if time.monotonic() - last_poll >= _POLL_S:
                 last_poll = time.monotonic()
                 t.check_stop()
-                self._poll_progress(t)
+                self._report_progress(t)
                 if t.standby.spares_ready(wait=False):
                     t.standby.tell(t.workers, t.members, t.dead)
                 if t.growth.ready():
@@ -119,9 +125,10 @@ class Training(TrialState):
         return Finishing()
 
     @staticmethod
-    def _poll_progress(t: Trial) -> None:
-        """Report progress; the watchdog fails the trial when no rank moves (a hang)."""
-        steps = t.calls.ask(lambda h: h.progress.remote(), timeout=2)
+    def _report_progress(t: Trial) -> None:
+        """Report progress (the heartbeat's answers); the watchdog fails the trial when no
+        rank moves (a hang the heartbeat cannot blame on one rank, or with it off)."""
+        steps = {r: s for r, s in t.steps.items() if r not in t.dead}
         if steps:
             t.cb.after_progress(steps[min(steps)])
         t.watchdog.observe(steps)

@@ -35,11 +35,17 @@ class RecoveryTimeline:
     injected_ranks: set[int] = field(default_factory=set)
 
     def detected(
-        self, injections: list[Injection], dead: set[int], known_dead: set[int], t_detect: float
+        self,
+        injections: list[Injection],
+        dead: set[int],
+        known_dead: set[int],
+        t_detect: float,
+        detector: str = "death",
     ) -> list[FailureRecord]:
-        """Ranks in `dead` were found dead at `t_detect`: a failure per new injection in the
-        chaos actor's log, or one "unplanned" failure for ranks no injection names. A
-        failure detected while others recover interrupts them (cascading)."""
+        """Ranks in `dead` were found dead (or hung) at `t_detect` by `detector`: a failure
+        per new injection in the chaos actor's log, or one "unplanned" failure for ranks no
+        injection names. A failure detected while others recover interrupts them
+        (cascading)."""
         new: list[FailureRecord] = []
         for inj in injections:
             if inj.index in self.seen_injections:
@@ -53,6 +59,7 @@ class RecoveryTimeline:
             new.append(self._failure(unplanned, "unplanned", "crash", -1, t_detect))
         for f in new:
             f.phases["detected"] = t_detect - f.t_injected
+            f.detector = detector
             for old in self.open:
                 old.interrupted_by = (
                     old.interrupted_by if old.interrupted_by is not None else f.index

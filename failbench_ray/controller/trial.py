@@ -3,6 +3,7 @@ restore, ask who holds which copies, record a failure)."""
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ from failbench_ray.checks import Resolved
 from failbench_ray.controller.callbacks import TrialCallback
 from failbench_ray.controller.calls import Gathered, RankCalls
 from failbench_ray.controller.chaos_link import ChaosLink
+from failbench_ray.controller.heartbeat import Heartbeat
+from failbench_ray.controller.notice import NoticeResponder
 from failbench_ray.controller.regrow import Growth
 from failbench_ray.controller.standby import Standby
 from failbench_ray.controller.timeline import RecoveryTimeline
@@ -29,6 +32,7 @@ from failbench_ray.records import CheckpointEvent, FailureRecord, StepRecord
 from failbench_ray.spec import FailureEvent, Quiesce
 from failbench_ray.worker import JoinInfo, RunReport, read_record_log
 from failbench_ray.worker_group import Placement, WorkerGroup
+from injector.kill_kinds import Target, signal_ranks
 from mechanisms.base import FailureContext, RecoveryPlan, RestoreInstruction
 
 
@@ -73,6 +77,10 @@ class Trial:
         self.standby = Standby(self.mech, setup.label, setup.pool)
         self.growth = Growth()
         self.watchdog = StallWatchdog(self.spec.stall_limit_s)
+        self.heartbeat = Heartbeat(self.spec.detectors.heartbeat_timeout_s)
+        self.notices = NoticeResponder(self.mech.saves_on_notice)
+        self._pings: dict[int, Any] = {}  # rank -> its unanswered progress() call
+        self.steps: dict[int, int] = {}  # rank -> the last step it said it completed
         self.calls = RankCalls(self.live_handles)
         self.group: WorkerGroup | None = None
         self.store: dist.TCPStore | None = None
@@ -126,11 +134,12 @@ class Trial:
                 self.outcome.records += rep.records
                 self.outcome.checkpoints += rep.checkpoints
 
-    def detected(self, dead: set[int]) -> None:
-        """Record newly dead ranks as failures (from the chaos actor's log)."""
+    def detected(self, dead: set[int], detector: str = "death") -> None:
+        """Record newly dead ranks as failures (from the chaos actor's log), found by
+        `detector` (`kill_kinds.DETECTORS`)."""
         t_detect = time.time()
         injections = self.chaos.injections()
-        new = self.timeline.detected(injections, dead, self.dead, t_detect)
+        new = self.timeline.detected(injections, dead, self.dead, t_detect, detector)
         # Ray's crash banner for a death we caused would read like a real crash: drop it
         hit = {r for inj in injections for r in inj.ranks} & (dead - self.dead)
         banners.injected(self.workers.pids[r] for r in hit if r in self.workers.pids)
@@ -154,6 +163,39 @@ class Trial:
                 if rec.rank == rank and (rec.rank, rec.step, rec.generation) not in have:
                     self.outcome.records.append(rec)
             self.outcome.checkpoints += [e for e in events if e.rank == rank and e not in seen]
+
+    # -- the heartbeat -------------------------------------------------------------------
+    def restart_beats(self) -> None:
+        self.heartbeat.restart()
+        self._pings, self.steps = {}, {}
+
+    def beat(self) -> set[int]:
+        """Ping every live rank that has no ping out, take the answers that came back, act on
+        any notice; return the ranks the heartbeat finds hung."""
+        live = self.live_handles()
+        for r, h in live.items():
+            if r not in self._pings:
+                self._pings[r] = h.progress.remote()
+                self.heartbeat.sent(r)
+        by_ref = {ref: r for r, ref in self._pings.items()}
+        ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0)
+        for ref in ready:
+            r = by_ref[ref]
+            del self._pings[r]
+            self.heartbeat.answered(r)  # a dead rank too: its run() call reports its death
+            try:
+                self.steps[r] = ray.get(ref)
+            except RayActorError:
+                continue
+        if self.chaos.has_notices:
+            self.notices.poll(self.chaos.noticed(), self.steps, self.spec.steps, live)
+        return self.heartbeat.hung(live)
+
+    def end_hung(self, ranks: set[int]) -> None:
+        """Hung ranks are failed ranks: end their processes (a SIGKILL ends a stopped one)."""
+        targets = {r: Target(*t) for r, t in self.workers.targets().items() if r in ranks}
+        signal_ranks(sorted(targets), targets, signal.SIGKILL)
+        self.workers.kill(sorted(ranks))
 
     def phase(self, phase: str) -> None:
         """A recovery phase starts: a cascading failure may fire now."""

@@ -203,6 +203,7 @@ class RecoveryEventRow(Base):
     quiesce: Mapped[str] = mapped_column(default="")
     quiesce_reason: Mapped[str] = mapped_column(default="")
     replacement: Mapped[str] = mapped_column(default="")  # cold | warm | none
+    detector: Mapped[str] = mapped_column(default="death")  # what found it
     restore_source: Mapped[str] = mapped_column(default="")
     restored_from_step: Mapped[int | None]
     lost_steps: Mapped[int | None]
