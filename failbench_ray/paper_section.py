@@ -81,7 +81,7 @@ def claim_figures(verdicts: list[paper.Verdict], out: Path) -> dict[int, str]:
         for ax in list(axes.flat)[len(panels) :]:
             ax.set_visible(False)
         theirs = "shaded: the paper's 3.7% to 176%" if claim == 3 else "red x: the paper's"
-        fig.suptitle(f"Paper claim {claim} vs this run (95% intervals; {theirs})", fontsize=10)
+        fig.suptitle(f"Paper claim {claim} vs this run\n(95% intervals; {theirs})", fontsize=10)
         names[claim] = save(fig, out / f"paper_claim{claim}.png")
     return names
 

@@ -304,6 +304,12 @@ def test_the_findings_sweep_is_sized_for_the_papers_claims() -> None:
     assert {("ddp", m) for m in ("disk_ckpt", "inmem_replica", "jit_ckpt")} <= have  # claim 1
     assert any(a == "gossip" for a, _ in have)  # claim 2
     assert {a for a, m in have if m == "inmem_replica"} == set(ARCHITECTURES.names())  # claim 3
+    # The top of the range: 1 GB per rank on ddp, in a file of its own (its cells fit apart).
+    big = [c for c in sw.expand(sw.load_sweep(REPO / "examples" / "findings_1gb.yaml"))]
+    assert big and not any(c.skipped for c in big)
+    for c in big:
+        assert c.spec is not None and c.spec.trials >= 3
+        assert 3 * 4 * param_count(c.spec.model) >= 1e9 and c.architecture == "ddp"
 
 
 # ---------------------------------------------------------------------------------------------
