@@ -3,6 +3,7 @@ restore, ask who holds which copies, record a failure)."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from collections.abc import Callable
@@ -12,7 +13,7 @@ from typing import Any
 
 import ray
 import torch.distributed as dist
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from failbench_ray import banners
 from failbench_ray.checks import Resolved
@@ -194,7 +195,10 @@ class Trial:
     def end_hung(self, ranks: set[int]) -> None:
         """Hung ranks are failed ranks: end their processes (a SIGKILL ends a stopped one)."""
         targets = {r: Target(*t) for r, t in self.workers.targets().items() if r in ranks}
-        signal_ranks(sorted(targets), targets, signal.SIGKILL)
+        # A rank whose node died is silent too, until Ray reports the node dead: no task can
+        # reach that node, and there is no process left to signal.
+        with contextlib.suppress(RayError):
+            signal_ranks(sorted(targets), targets, signal.SIGKILL)
         self.workers.kill(sorted(ranks))
 
     def phase(self, phase: str) -> None:
