@@ -26,6 +26,7 @@ from failbench_ray.storage import repo
 from failbench_ray.storage.db import Database
 from injector.chaos import Chaos
 from injector.kill_kinds import KILL_KINDS
+from tests.test_engine import small as engine_small
 
 # -- pure parts --------------------------------------------------------------------------------
 
@@ -212,18 +213,10 @@ def test_the_report_says_which_mechanism_recovered_from_which_kind() -> None:
 
 
 def small(**over: Any) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "architecture": "ddp",
-        "world_size": 2,
-        "model": {"kind": "mlp", "input_dim": 16, "hidden_dim": 32, "depth": 2},
-        "steps": 40,
-        "batch_size": 16,
-        "mechanism": {"name": "disk_ckpt", "params": {"interval": 5}},
-        "pg_timeout_s": 300,  # a hang must be found by the heartbeat, not this
-        "warmup_steps": 2,
-    }
-    spec.update(over)
-    return spec
+    """test_engine's small ddp job, on 2 ranks, with a group timeout a hang cannot hide behind
+    (the heartbeat must find it, not this)."""
+    base = {"world_size": 2, "steps": 40, "batch_size": 16, "pg_timeout_s": 300}
+    return engine_small(**{**base, **over})
 
 
 @pytest.fixture(scope="module")
