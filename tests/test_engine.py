@@ -156,4 +156,8 @@ def test_time_triggered_kill_on_postgres(pg_url: str, tmp_path: Path) -> None:
     assert_recovered(result, 1)
     f = result.trials[0].failures[0]
     assert f.trigger == "t=2s" and 1 <= f.injected_at_step <= 400
-    assert f.restored_from_step == (f.injected_at_step - 1) // 5 * 5
+    # A timer knows no step: the step in flight is the slowest survivor's next one. DDP keeps
+    # one shard, written by one rank, which may have finished (and saved) that step while a
+    # slower survivor was still in its collective: then nothing of it was lost.
+    latest = {(f.injected_at_step - 1) // 5 * 5, f.injected_at_step // 5 * 5}
+    assert f.restored_from_step in latest
