@@ -46,8 +46,15 @@ def curve(records: Sequence[StepRecord]) -> Curve:
     ordered = sorted(steps.values(), key=lambda rs: max(r.t_end for r in rs))
     wall = np.array([max(r.t_end for r in rs) - t0 for rs in ordered])
     samples = np.cumsum([sum(r.samples for r in rs) for rs in ordered]).astype(float)
-    loss = np.array([float(np.mean([r.loss for r in rs])) for rs in ordered])
+    loss = np.array([_mean_seen([r.loss for r in rs]) for rs in ordered])
     return Curve(wall, samples, loss)
+
+
+def _mean_seen(losses: list[float]) -> float:
+    """The mean over the ranks that see the loss (inner pipeline stages and parameter
+    servers report NaN); NaN if none does."""
+    seen = [x for x in losses if np.isfinite(x)]
+    return float(np.mean(seen)) if seen else float("nan")
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,9 @@ def compare(
     """Trial vs baseline loss at `at` (steps within `half_width` of it), Welch's t-test."""
     a = _window(trials, by, at - half_width, at + half_width)
     b = _window(baselines, by, at - half_width, at + half_width)
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        why = "the loss is not finite in the window (a run diverged)"
+        return Comparison(by, at, len(a), len(b), None, None, None, why)
     if len(a) < 2 or len(b) < 2:
         return Comparison(by, at, len(a), len(b), None, None, None, "too few steps to compare")
     diff = float(a.mean() - b.mean())

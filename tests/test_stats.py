@@ -63,3 +63,17 @@ def test_too_few_steps_say_so() -> None:
         half_width=0.01,
     )
     assert c.verdict == "too few steps to compare" and c.difference is None
+
+
+def test_ranks_that_never_see_the_loss_do_not_hide_it_and_a_nan_run_is_not_compared() -> None:
+    """A pipeline's inner stages (and a parameter server) report NaN: the step's loss is the
+    mean of the ranks that see it. A run whose loss went NaN has no difference to report."""
+    seen = _run(3)
+    inner = [StepRecord(2, r.step, r.generation, float("nan"), r.t_start, r.t_end, 0) for r in seen]
+    c = stats.curve(seen + inner)
+    assert np.isfinite(c.loss).all()
+    base = [stats.curve(_run(10))]
+    assert stats.compare([c], base, "samples", at=800, half_width=100).difference is not None
+    diverged = [StepRecord(0, r.step, 0, float("nan"), r.t_start, r.t_end, 8) for r in seen]
+    cmp = stats.compare([stats.curve(diverged)], base, "samples", at=800, half_width=100)
+    assert cmp.difference is None and cmp.verdict.startswith("the loss is not finite")
