@@ -159,6 +159,23 @@ class Trainer(ABC):
                 break
         return out
 
+    def audit(self, *, finite: bool, checksum: bool) -> tuple[bool, str | None]:
+        """The silent-corruption checks, on this rank's local parameters: whether they are all
+        finite (a float sum is NaN or Inf if any element is), and a checksum that any single
+        flipped bit changes (the sum of each tensor's 32-bit words, as integers). One pass
+        each, no copies: cheap enough to run every few steps."""
+        ok, sums = True, []
+        with torch.no_grad():
+            for p in self.module.parameters():
+                t = state.local(p).detach()
+                if finite and not bool(torch.isfinite(t.sum())):
+                    ok = False
+                if checksum:
+                    word = torch.int32 if t.element_size() == 4 else torch.uint8
+                    words = t.reshape(-1).view(word)
+                    sums.append(int(words.sum(dtype=torch.int64)))
+        return ok, (",".join(map(str, sums)) if checksum else None)
+
     def parameters_digest(self) -> str:
         """sha256 of this rank's parameters (its shard), in name order."""
         return tensors_digest(list(self.module.state_dict().items()))

@@ -516,6 +516,13 @@ def _print_tables(r: dict[str, Any]) -> None:
             (tr["params_digest"] or "-")[:12], match,
         )  # fmt: skip
     out.print(t)
+    for tr in r["trials"]:
+        for d in tr.get("silently_diverged") or []:
+            out.print(
+                f"[bold red]trial {tr['trial']} silently diverged[/]: {d['kind']} on rank(s) "
+                f"{','.join(map(str, d['ranks']))} at step {d['step']} was never detected "
+                "(its check is off, or no replica holds the same shard to compare with)"
+            )
     failures = [(tr["trial"], f) for tr in r["trials"] for f in tr["failures"]]
     if not failures:
         return

@@ -21,6 +21,7 @@ class KindRow:
     exact: int = 0  # of those, how many ended bit-equal to it
     detectors: set[str] = field(default_factory=set)
     detected_s: list[float] = field(default_factory=list)
+    silent: int = 0  # trials where a corruption of this kind was never detected
 
 
 def kind_rows(cells: Iterable[tuple[str, ExperimentResult]]) -> list[KindRow]:
@@ -28,9 +29,11 @@ def kind_rows(cells: Iterable[tuple[str, ExperimentResult]]) -> list[KindRow]:
     rows: dict[tuple[str, str], KindRow] = {}
     for mechanism, result in cells:
         for t in result.trials:
-            for kind in sorted({f.kill_kind for f in t.failures}):
+            silent = {d["kind"] for d in getattr(t, "silently_diverged", None) or []}
+            for kind in sorted({f.kill_kind for f in t.failures} | silent):
                 row = rows.setdefault((mechanism, kind), KindRow(mechanism, kind))
                 row.trials += 1
+                row.silent += kind in silent
                 row.completed += t.status == "completed"
                 if t.match_expected:
                     row.exact_expected += 1
@@ -51,6 +54,7 @@ def table(rows: list[KindRow]) -> tuple[list[str], list[list[str]]]:
         "median detected (s)",
         "trials completed",
         "bit-exact where expected",
+        "silently diverged",
     ]
     body = [
         [
@@ -60,6 +64,7 @@ def table(rows: list[KindRow]) -> tuple[list[str], list[list[str]]]:
             f"{statistics.median(r.detected_s):.3f}" if r.detected_s else "-",
             f"{r.completed}/{r.trials}",
             f"{r.exact}/{r.exact_expected}" if r.exact_expected else "not expected",
+            f"{r.silent}/{r.trials}" if r.silent else "-",
         ]
         for r in rows
     ]
@@ -74,7 +79,9 @@ def section(
     md = [
         "## Fault kinds",
         "Which mechanisms recovered from which kinds of failure (`failbench list` shows the "
-        "kinds), what found them, and how long after the injection.",
+        'kinds), what found them, and how long after the injection. "Silently diverged": '
+        "trials where a corruption was never detected (its check off, or no replica to compare "
+        "with) and the run ended on wrong numbers.",
         "",
         *markdown.table(head, body),
     ]

@@ -18,6 +18,13 @@ def decide(
         plan = continue_without_dead(failure)
     else:
         plan = mechanism.plan(failure)
+    bound = failure.restore_at_most
+    if bound is not None and plan.restore_step > bound:
+        raise RecoveryError(
+            f"{mechanism.name} keeps no state from step {bound} or before, the last that passed "
+            f"the corruption checks (its plan restores step {plan.restore_step}): it cannot undo "
+            "silent corruption; use disk_ckpt or async_ckpt, or check more often than it saves"
+        )
     left = set(failure.dead) - set(plan.replace) - set(plan.drop)
     if left:
         raise RecoveryError(

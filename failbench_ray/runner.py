@@ -382,6 +382,7 @@ def _extras(resolved: Resolved, outcome: TrialOutcome, steady: list[float]) -> d
         "ranks_at_end": outcome.members,
         "rank_nodes": {str(r): n for r, n in sorted(outcome.rank_nodes.items())},
         "replica_spread": outcome.replica_spread,
+        "silently_diverged": outcome.silently_diverged,
         **outcome.arch_metrics,
         **results.throughput_around_failures(outcome.records, outcome.failures, spec.warmup_steps),
         "recoveries": sum(f.restored_from_step is not None for f in outcome.failures),

@@ -214,6 +214,20 @@ class DetectorSpec(_Strict):
         "answer is hung: it is killed and recovered like a crash. None: no heartbeat (a hang "
         "then ends the trial through stall_timeout_s).",
     )
+    digest_every: int | None = Field(
+        10,
+        gt=0,
+        le=1_000_000,
+        description="Every this many steps each rank reports a checksum of its parameters and "
+        "the replicas of each shard are compared (silent corruption: `bitflip`). None: off.",
+    )
+    nonfinite_every: int | None = Field(
+        1,
+        gt=0,
+        le=1_000_000,
+        description="Every this many steps each rank checks that its parameters are finite "
+        "(`nan`). None: off.",
+    )
 
 
 class Quiesce(str, Enum):

@@ -72,6 +72,8 @@ class RunReport:
     checkpoints: list[CheckpointEvent] = field(default_factory=list)
     reason: str = ""
     t_returned: float = 0.0
+    # "corrupt": the last step whose state passed this rank's checks (the rollback bound).
+    clean_step: int | None = None
 
 
 def record_log_path(run_dir: Path, pid: int) -> Path:
@@ -183,6 +185,8 @@ class Worker(HoldsCopies, Reusable, TakesFaults):
         self.step = 0
         self.armed: dict[tuple[str, int], int] = {}
         self._save_steps: set[int] = set()  # steps to save off the schedule (`save_at`)
+        self._audits: dict[int, str] = {}  # step -> parameter checksum, for the digest check
+        self._clean_step = 0  # the last step whose parameters passed the checks
         self._records: list[StepRecord] = []
         self._checkpoints: list[CheckpointEvent] = []
         # Every record also goes to a per-process file as the step ends: a SIGKILL loses the
@@ -221,12 +225,6 @@ class Worker(HoldsCopies, Reusable, TakesFaults):
             raise RuntimeError("this worker's parent is not a raylet: cannot fail its node")
         os.kill(raylet, signal.SIGKILL)
         os._exit(1)
-
-    @ray.method(concurrency_group="beat")
-    def progress(self) -> int:
-        """The heartbeat's ping: a thread of its own, so a busy `serve_peer` (a parameter
-        server's pushes) never delays it and only a hung process leaves it unanswered."""
-        return self.step
 
     def identity(self) -> dict[str, Any]:
         """Whose rank this process is now (a pooled process's actor name does not say)."""
@@ -314,7 +312,9 @@ class Worker(HoldsCopies, Reusable, TakesFaults):
         self.snapshots = {s: p for s, p in self.snapshots.items() if s <= step}
         with self._lock:
             self._save_steps.clear()
-        self.step = step
+            self._audits = {s: a for s, a in self._audits.items() if s <= step}
+            self.step = step
+        self._clean_step = step
         return events
 
     def _keep_own_state(self, step: int, exact: bool = True) -> None:
@@ -363,6 +363,9 @@ class Worker(HoldsCopies, Reusable, TakesFaults):
                 # A collective inside torch (FSDP, DTensor, pipelining) failed: a peer died or
                 # the group timed out. The driver decides; with no dead peer it is an error.
                 return self._report("aborted", f"{type(err).__name__}: {err}".splitlines()[0])
+            bad = self._audit(step)  # before the hooks: a corrupt state is never saved
+            if bad is not None:
+                return self._report("corrupt", bad)
             t1 = time.time()
             checkpoints = self.hooks.after_step(step, self.trainer)
             if self._save_due(step) and not checkpoints:  # (none already saved on schedule)
@@ -396,7 +399,10 @@ class Worker(HoldsCopies, Reusable, TakesFaults):
 
     def _report(self, status: str, reason: str) -> RunReport:
         records, checkpoints = self.drain()
-        return RunReport(self.rank, status, self.step, records, checkpoints, reason, time.time())
+        clean = self._clean_step if status == "corrupt" else None
+        return RunReport(
+            self.rank, status, self.step, records, checkpoints, reason, time.time(), clean
+        )
 
 
 # Concurrency per group, see the module docstring (several sources may pull from one rank).

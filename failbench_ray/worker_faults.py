@@ -1,19 +1,23 @@
 """What the worker does for the failures injected into it (the `Worker` actor mixes this in):
-stop at a failpoint and do a kind to itself, hold the GIL (`gil_hang`), and save off the
-mechanism's schedule when the driver asks on a preemption notice."""
+stop at a failpoint and do a kind to itself (end, or corrupt its parameters and train on),
+hold the GIL (`gil_hang`), save off the mechanism's schedule when the driver asks on a
+preemption notice, and keep the checks that find silent corruption (`Audit`)."""
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import threading
 from typing import Any
 
 import ray
 
-from injector.kill_kinds import worker_side
+from injector.kill_kinds import KILL_KINDS, CorruptParams, corrupt, worker_side
 
 _FAILPOINT_WAIT_S = 120.0
+_AUDITS_KEPT = 8  # checksums a rank keeps until the driver has compared them
+log = logging.getLogger("failbench.worker")
 
 
 class TakesFaults:
@@ -24,6 +28,10 @@ class TakesFaults:
     step: int
     _lock: threading.Lock
     _save_steps: set[int]  # steps to save off the schedule (`save_at`)
+    trainer: Any
+    spec: Any
+    _audits: dict[int, str]  # step -> parameter checksum (`progress` hands them over)
+    _clean_step: int
 
     def _failpoint(self, where: str, step: int) -> None:
         """Stop here if an event is armed here: the chaos actor says when every victim has
@@ -34,8 +42,15 @@ class TakesFaults:
         action = ray.get(
             self.chaos.reached.remote(index, self.rank, step), timeout=_FAILPOINT_WAIT_S
         )
-        if action != "go":
+        if action == "go":
+            return
+        kind = KILL_KINDS.get(action)
+        if not kind.corrupts:
             worker_side(action)
+        params = kind.params.model_validate(ray.get(self.chaos.kill_params.remote(index)))
+        assert isinstance(params, CorruptParams)
+        hit = corrupt(action, params, list(self.trainer.module.parameters()))
+        log.warning("rank %d: %s at step %d: %s", self.rank, action, step, hit)
 
     def save_at(self, step: int) -> int | None:
         """Save the state of `step` once it is done, off the mechanism's schedule (the driver
@@ -59,3 +74,35 @@ class TakesFaults:
         through `ctypes.PyDLL` keeps the GIL, so no Python thread of this process runs (the
         actor answers nothing) while the process and its sockets live on."""
         ctypes.PyDLL(None).sleep(ctypes.c_uint(math.ceil(hold_s)))
+
+    @ray.method(concurrency_group="beat")
+    def progress(self) -> tuple[int, dict[int, str]]:
+        """The heartbeat's ping: a thread of its own, so a busy `serve_peer` (a parameter
+        server's pushes) never delays it and only a hung process leaves it unanswered.
+        Returns the last completed step and the latest parameter checksums (step -> sum)."""
+        with self._lock:
+            return self.step, dict(self._audits)
+
+    def _audit(self, step: int) -> str | None:
+        """The silent-corruption checks due after `step` (`spec.detectors`): records the
+        parameter checksum for the driver's cross-replica comparison; returns why this rank is
+        corrupt if its parameters are not finite."""
+        d = self.spec.detectors
+        finite = d.nonfinite_every is not None and step % d.nonfinite_every == 0
+        checksum = d.digest_every is not None and step % d.digest_every == 0
+        if not (finite or checksum):
+            return None
+        ok, digest = self.trainer.audit(finite=finite, checksum=checksum)
+        if not ok:
+            return (
+                f"rank {self.rank}: parameters not finite after step {step} "
+                f"(finite after step {self._clean_step})"
+            )
+        if finite:
+            self._clean_step = step
+        if digest is not None:
+            with self._lock:
+                self._audits[step] = digest
+                for old in sorted(self._audits)[:-_AUDITS_KEPT]:
+                    del self._audits[old]
+        return None

@@ -82,6 +82,12 @@ class Chaos:
                 self._cond.wait_for(lambda: index in self._fired, timeout=_ARRIVAL_TIMEOUT_S)
         return event.kill if KILL_KINDS.get(event.kill).by_worker and index in self._fired else "go"
 
+    def kill_params(self, index: int) -> dict[str, Any]:
+        """Event `index`'s validated kill parameters (a corrupting victim needs them)."""
+        event = self.events[index]
+        kind = KILL_KINDS.get(event.kill)
+        return kind.params.model_validate(event.kill_params).model_dump()
+
     def on_phase(self, phase: str, committed_step: int) -> list[Injection]:
         """A recovery phase starts: fire the next cascading event that waits for it."""
         with self._cond:
@@ -157,9 +163,10 @@ class Chaos:
             ranks = kind.kill(ranks, self._targets, params)
         where = sorted({self._targets[r].node_id[:8] for r in ranks if r in self._targets})
         log.warning(
-            "failure %d: %s killed rank(s) %s (pid %s, node %s) at %s, step %s",
+            "failure %d: %s %s rank(s) %s (pid %s, node %s) at %s, step %s",
             index,
             event.kill,
+            "corrupted" if kind.corrupts else "killed",
             ranks,
             [self._targets[r].pid for r in ranks if r in self._targets],
             ",".join(where),

@@ -6,9 +6,11 @@ returns the ranks it hit (a `node` kill takes every rank on the victim's node). 
 kind is done by the victim itself when it reaches its failpoint (`worker_side`): faults that
 come from inside the process (a segfault in native code, an uncaught exception).
 
-Each kind names the detector that finds it: `death` (the process is gone and Ray says so) or
-`heartbeat` (the process lives but answers nothing: the driver's progress heartbeat times out).
-A kind with a notice (`preempt`) tells the driver first and strikes `notice_s` later.
+Each kind names the detector that finds it: `death` (the process is gone and Ray says so),
+`heartbeat` (the process lives but answers nothing: the driver's progress heartbeat times out),
+`digest` or `nonfinite` (silent corruption: the process goes on training on wrong numbers).
+A kind with a notice (`preempt`) tells the driver first and strikes `notice_s` later. A kind
+that `corrupts` is done by the victim at its failpoint (`corrupt`), which then trains on.
 """
 
 from __future__ import annotations
@@ -52,6 +54,19 @@ class PreemptParams(NoParams):
     )
 
 
+class CorruptParams(NoParams):
+    """Which number of the victim's own parameters (its shard) is hit."""
+
+    param: int = Field(0, ge=0, description="Index into the rank's parameter tensors.")
+    element: int = Field(0, ge=0, description="Flat index of the element in that tensor.")
+
+
+class BitflipParams(CorruptParams):
+    bit: int = Field(
+        22, ge=0, le=31, description="Bit of the float32 element to flip (22: top of mantissa)."
+    )
+
+
 KillFn = Callable[[list[int], dict[int, Target], Any], list[int]]
 
 # What finds a failure of each kind (`failbench list` shows them).
@@ -60,6 +75,13 @@ DETECTORS: dict[str, str] = {
     "heartbeat": "the driver's progress heartbeat: a rank that answers no ping for "
     "detectors.heartbeat_timeout_s while others do is hung; it is killed and recovered like a "
     "crash",
+    "digest": "the cross-replica digest check: every detectors.digest_every steps each rank "
+    "reports a checksum of its parameters; replicas of a shard that disagree are corrupt (the "
+    "minority, or all of them without a majority), and every rank rolls back to state no newer "
+    "than the last step that passed",
+    "nonfinite": "the non-finite check: every detectors.nonfinite_every steps each rank checks "
+    "its parameters; a rank holding NaN or Inf is corrupt, and every rank rolls back to state "
+    "no newer than its last finite check",
 }
 
 
@@ -73,6 +95,8 @@ class KillKind:
     detector: str = "death"
     # Seconds of notice before `kill` runs (None: no notice): the driver may act on it.
     notice_s: Callable[[Any], float] | None = None
+    # Done by the victim at its failpoint, which then trains on (silent corruption).
+    corrupts: bool = False
 
 
 def _kill_pids(pids: list[int], sig: int = signal.SIGKILL) -> None:
@@ -167,6 +191,47 @@ def worker_side(kind: str) -> None:
     raise ValueError(f"{kind} is not a kind the worker does to itself")
 
 
+def corrupt(kind: str, params: CorruptParams, parameters: list[Any]) -> str:
+    """Do a `corrupts` kind to this rank's `parameters` (its trainer's, in order); returns
+    what was hit. `bitflip` flips one bit of one element now; `nan` makes one element of the
+    next gradient of that parameter NaN (a hook that fires once, before any all-reduce)."""
+    import torch
+
+    if params.param >= len(parameters):
+        raise ValueError(
+            f"kill_params.param={params.param}: this rank holds {len(parameters)} parameter "
+            f"tensors (0..{len(parameters) - 1})"
+        )
+    p = parameters[params.param]
+    local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor: this rank's piece
+    if params.element >= local.numel():
+        raise ValueError(
+            f"kill_params.element={params.element}: parameter {params.param} has "
+            f"{local.numel()} elements on this rank"
+        )
+    if kind == "bitflip":
+        assert isinstance(params, BitflipParams)
+        if local.dtype != torch.float32:
+            raise ValueError(f"bitflip needs float32 parameters, not {local.dtype}")
+        with torch.no_grad():
+            words = local.detach().view(-1).view(torch.int32)
+            words[params.element] ^= (1 << params.bit) - (1 << 32 if params.bit == 31 else 0)
+        return f"bit {params.bit} of element {params.element} of parameter {params.param}"
+    if kind == "nan":
+        handle: Any = None
+
+        def poison(grad: Any) -> Any:
+            handle.remove()  # once
+            grad = grad.clone()
+            mine = grad.to_local() if hasattr(grad, "to_local") else grad
+            mine.view(-1)[params.element] = float("nan")
+            return grad
+
+        handle = p.register_hook(poison)
+        return f"element {params.element} of parameter {params.param}'s next gradient"
+    raise ValueError(f"{kind} is not a corruption kind")
+
+
 KILL_KINDS: Registry[KillKind] = Registry("kill kind")
 KILL_KINDS.add(
     "sigkill",
@@ -211,7 +276,7 @@ KILL_KINDS.add(
     KillKind(
         "preempt",
         "spot preemption: a notice, SIGTERM notice_s later, SIGKILL grace_s after that; "
-        "disk_ckpt and async_ckpt save on the notice",
+        "disk_ckpt, async_ckpt and jit_ckpt save on the notice",
         False,
         _preempt,
         PreemptParams,
@@ -226,5 +291,29 @@ KILL_KINDS.add(
         "holder and spare on it dies at once. Needs a multi-node cluster; never the head node",
         False,
         _node,
+    ),
+)
+KILL_KINDS.add(
+    "bitflip",
+    KillKind(
+        "bitflip",
+        "silent data corruption: one bit of one parameter element flips on the victim, which "
+        "trains on",
+        True,
+        params=BitflipParams,
+        detector="digest",
+        corrupts=True,
+    ),
+)
+KILL_KINDS.add(
+    "nan",
+    KillKind(
+        "nan",
+        "one element of the victim's next gradient is NaN (before any all-reduce spreads it); "
+        "training goes on",
+        True,
+        params=CorruptParams,
+        detector="nonfinite",
+        corrupts=True,
     ),
 )

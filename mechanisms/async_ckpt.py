@@ -99,8 +99,10 @@ class AsyncCkpt(Mechanism):
     hooks_cls = AsyncCkptHooks
     saves_on_notice = True
 
-    def latest_checkpoint(self, run_dir: Path, layout: StateLayout) -> int | None:
-        return io.latest_complete(run_dir, layout.shard_ids())
+    def latest_checkpoint(
+        self, run_dir: Path, layout: StateLayout, at_most: int | None = None
+    ) -> int | None:
+        return io.latest_complete(run_dir, layout.shard_ids(), at_most)
 
     def plan(self, failure: FailureContext) -> RecoveryPlan:
         return rollback_plan(failure, tuple(sorted(failure.dead)), "")

@@ -62,6 +62,8 @@ class FailureContext:
     # Ranks in the group (live or dead); default every rank. A rank replaced by an earlier,
     # interrupted recovery is a member that is neither dead nor a survivor: it needs state too.
     members: tuple[int, ...] | None = None
+    # After a silent corruption: no state newer than this step is clean (the rollback bound).
+    restore_at_most: int | None = None
 
     @property
     def survivors(self) -> list[int]:
@@ -271,9 +273,19 @@ class Mechanism(ABC):
         """Whether a faulty trial must end bit-identical to the baseline."""
         return arch.exact_replay()
 
-    def latest_checkpoint(self, run_dir: Path, layout: StateLayout) -> int | None:
-        """Latest complete durable checkpoint under run_dir (driver side, reads the disk)."""
+    def latest_checkpoint(
+        self, run_dir: Path, layout: StateLayout, at_most: int | None = None
+    ) -> int | None:
+        """Latest complete durable checkpoint under run_dir of a step no later than `at_most`
+        (driver side, reads the disk)."""
         return None
+
+    def discard_after(self, run_dir: Path, step: int) -> list[int]:
+        """Training rolled back to `step` past state that failed the corruption checks: drop
+        the durable checkpoints of later steps (driver side). Returns the steps dropped."""
+        from mechanisms import checkpoint_io  # the one on-disk layout every mechanism shares
+
+        return checkpoint_io.discard_after(run_dir, step)
 
     @abstractmethod
     def plan(self, failure: FailureContext) -> RecoveryPlan:

@@ -18,6 +18,7 @@ import io
 import os
 import pickle
 import re
+import shutil
 import struct
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -170,8 +171,10 @@ def load(path: Path) -> tuple[dict[str, Any], int, float]:
     return state, path.stat().st_size, time.perf_counter() - t0
 
 
-def latest_complete(run_dir: Path, shard_ids: Iterable[int]) -> int | None:
-    """The highest step for which every shard's file exists."""
+def latest_complete(
+    run_dir: Path, shard_ids: Iterable[int], at_most: int | None = None
+) -> int | None:
+    """The highest step (no later than `at_most`) for which every shard's file exists."""
     root = ckpt_root(run_dir)
     if not root.is_dir():
         return None
@@ -180,6 +183,24 @@ def latest_complete(run_dir: Path, shard_ids: Iterable[int]) -> int | None:
         (int(m.group(1)) for d in root.iterdir() if (m := _STEP_DIR.match(d.name))), reverse=True
     )
     for step in steps:
+        if at_most is not None and step > at_most:
+            continue
         if all(shard_path(run_dir, step, s).is_file() for s in needed):
             return step
     return None
+
+
+def discard_after(run_dir: Path, step: int) -> list[int]:
+    """Remove the checkpoints of steps after `step`: training rolled back past them to undo a
+    silent corruption, so they hold state of a timeline that was thrown away (a later failure
+    must not restore them before the replay writes them again). Returns the steps removed."""
+    root = ckpt_root(run_dir)
+    if not root.is_dir():
+        return []
+    gone = []
+    for d in root.iterdir():
+        m = _STEP_DIR.match(d.name)
+        if m and int(m.group(1)) > step:
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(int(m.group(1)))
+    return sorted(gone)

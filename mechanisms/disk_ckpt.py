@@ -47,8 +47,10 @@ class DiskCkpt(Mechanism):
     hooks_cls = DiskCkptHooks
     saves_on_notice = True
 
-    def latest_checkpoint(self, run_dir: Path, layout: StateLayout) -> int | None:
-        return io.latest_complete(run_dir, layout.shard_ids())
+    def latest_checkpoint(
+        self, run_dir: Path, layout: StateLayout, at_most: int | None = None
+    ) -> int | None:
+        return io.latest_complete(run_dir, layout.shard_ids(), at_most)
 
     def plan(self, failure: FailureContext) -> RecoveryPlan:
         replace = tuple(sorted(failure.dead))

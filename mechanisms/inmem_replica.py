@@ -106,8 +106,12 @@ class InmemReplica(Mechanism):
         at = ring.index(rank)
         return [RankId(ring[(at + k) % len(ring)]) for k in range(1, self.p.replicas + 1)]
 
-    def latest_checkpoint(self, run_dir: Path, layout: StateLayout) -> int | None:
-        return io.latest_complete(run_dir, layout.shard_ids()) if self.p.disk_interval else None
+    def latest_checkpoint(
+        self, run_dir: Path, layout: StateLayout, at_most: int | None = None
+    ) -> int | None:
+        if not self.p.disk_interval:
+            return None
+        return io.latest_complete(run_dir, layout.shard_ids(), at_most)
 
     def after_recovery(self, standbys: dict[ActorId, Any], step: int) -> None:
         truncate_copies(standbys.values(), step)

@@ -5,6 +5,7 @@ Real Ray actors over gloo, small models: world sizes 2-4, 20 steps.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from failbench_ray import results
 from failbench_ray.data import SyntheticData
 from failbench_ray.models import build_model, loss_fn
 from failbench_ray.optim import build_optimizer
-from failbench_ray.runner import run_experiment
+from failbench_ray.runner import baseline_key, run_experiment
 from failbench_ray.spec import ExperimentSpec, parse_spec
 from failbench_ray.storage import repo
 from failbench_ray.storage.db import Database
@@ -57,17 +58,31 @@ def single_process_losses(spec: ExperimentSpec) -> list[float]:
     return losses
 
 
-def run(spec_dict: dict[str, Any], url: str, tmp_path: Path) -> tuple[Any, list[float]]:
-    db = Database(url)
-    try:
-        result = run_experiment(parse_spec(spec_dict), db=db, out_dir=tmp_path / "runs")
-        with db.session() as s:
-            trial_ids = [t.id for t in repo.get_experiment(s, result.experiment_id).trials]
-            records = repo.load_step_records(s, max(trial_ids))
-        losses = results.step_losses(records)
-        return result, [losses[s] for s in sorted(losses)]
-    finally:
-        db.dispose()
+Shared = tuple[Database, dict[str, str]]
+
+
+@pytest.fixture(scope="module")
+def shared(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared]:
+    """One database for the module, and the first experiment of each baseline key: tests that
+    differ only in mechanism and failures share one matched no-fault run (as a sweep's cells
+    do), instead of each running the same baseline again."""
+    db = Database(f"sqlite:///{tmp_path_factory.mktemp('archs') / 'archs.db'}")
+    yield db, {}
+    db.dispose()
+
+
+def run(spec_dict: dict[str, Any], shared: Shared, tmp_path: Path) -> tuple[Any, list[float]]:
+    db, baselines = shared
+    spec = parse_spec(spec_dict)
+    key = baseline_key(spec)
+    result = run_experiment(spec, db=db, out_dir=tmp_path / "runs", baseline_of=baselines.get(key))
+    if result.baseline is not None and result.baseline.status == "completed":
+        baselines.setdefault(key, result.experiment_id)
+    with db.session() as s:
+        trial_ids = [t.id for t in repo.get_experiment(s, result.experiment_id).trials]
+        records = repo.load_step_records(s, max(trial_ids))
+    losses = results.step_losses(records)
+    return result, [losses[s] for s in sorted(losses)]
 
 
 CORRECTNESS = {
@@ -94,12 +109,10 @@ CORRECTNESS = {
 
 @pytest.mark.usefixtures("no_leaks")
 @pytest.mark.parametrize("name", list(CORRECTNESS))
-def test_loss_trajectory_equals_a_single_process(
-    name: str, sqlite_url: str, tmp_path: Path
-) -> None:
+def test_loss_trajectory_equals_a_single_process(name: str, shared: Shared, tmp_path: Path) -> None:
     arch, world, model = CORRECTNESS[name]
     spec = spec_for(arch, world, model, baseline=False, mechanism="none")
-    result, losses = run(spec, sqlite_url, tmp_path)
+    result, losses = run(spec, shared, tmp_path)
     assert result.status == "completed", result.trials[0].error
     reference = single_process_losses(parse_spec(spec))
     assert len(losses) == 20
@@ -137,11 +150,11 @@ FAILURES = {
 @pytest.mark.usefixtures("no_leaks")
 @pytest.mark.parametrize("name", list(FAILURES))
 def test_survives_failures_and_matches_the_baseline(
-    name: str, sqlite_url: str, tmp_path: Path
+    name: str, shared: Shared, tmp_path: Path
 ) -> None:
     arch, world, model, mechanism, trace = FAILURES[name]
     spec = spec_for(arch, world, model, mechanism=mechanism, failures=trace)
-    result, _ = run(spec, sqlite_url, tmp_path)
+    result, _ = run(spec, shared, tmp_path)
     trial = result.trials[0]
     assert result.status == "completed" and trial.status == "completed", trial.error
     assert len(trial.failures) == len(spec["failures"].get("events", [None]))
@@ -161,11 +174,11 @@ def gossip(**params: Any) -> dict[str, Any]:
 
 
 @pytest.mark.usefixtures("no_leaks")
-def test_gossip_replicas_converge_and_the_loss_falls(sqlite_url: str, tmp_path: Path) -> None:
+def test_gossip_replicas_converge_and_the_loss_falls(shared: Shared, tmp_path: Path) -> None:
     spreads = {}
     for period in (1, 1000):
         spec = spec_for(gossip(period=period), 4, MLP, steps=30, baseline=False, mechanism="none")
-        result, losses = run(spec, sqlite_url, tmp_path)
+        result, losses = run(spec, shared, tmp_path)
         assert result.status == "completed"
         spreads[period] = (result.trials[0].model_extra or {})["replica_spread"]
         assert losses[-1] < losses[0]
@@ -175,10 +188,10 @@ def test_gossip_replicas_converge_and_the_loss_falls(sqlite_url: str, tmp_path: 
 
 
 @pytest.mark.usefixtures("no_leaks")
-def test_gossip_goes_on_without_the_dead_worker(sqlite_url: str, tmp_path: Path) -> None:
+def test_gossip_goes_on_without_the_dead_worker(shared: Shared, tmp_path: Path) -> None:
     trace = {"kind": "single", "rank": 1, "at_step": 12}
     spec = spec_for(gossip(), 4, MLP, mechanism="disk_ckpt", failures=trace)
-    result, _ = run(spec, sqlite_url, tmp_path)
+    result, _ = run(spec, shared, tmp_path)
     trial = result.trials[0]
     assert trial.status == "completed", trial.error
     (f,) = trial.failures
@@ -192,11 +205,11 @@ def test_gossip_goes_on_without_the_dead_worker(sqlite_url: str, tmp_path: Path)
 
 @pytest.mark.usefixtures("no_leaks")
 def test_gossip_with_replacement_rolls_back_and_replays_exactly(
-    sqlite_url: str, tmp_path: Path
+    shared: Shared, tmp_path: Path
 ) -> None:
     trace = {"kind": "single", "rank": 2, "at_step": 12}
     spec = spec_for(gossip(replace=True), 4, MLP, mechanism="disk_ckpt", failures=trace)
-    result, _ = run(spec, sqlite_url, tmp_path)
+    result, _ = run(spec, shared, tmp_path)
     trial = result.trials[0]
     assert trial.status == "completed", trial.error
     assert trial.failures[0].restored_from_step == 10
@@ -206,12 +219,12 @@ def test_gossip_with_replacement_rolls_back_and_replays_exactly(
 
 @pytest.mark.usefixtures("no_leaks")
 def test_async_parameter_server_learns_and_survives_a_worker_kill(
-    sqlite_url: str, tmp_path: Path
+    shared: Shared, tmp_path: Path
 ) -> None:
     arch = {"name": "ps", "params": {"servers": 1, "mode": "async"}}
     trace = {"kind": "single", "rank": 2, "at_step": 12}
     spec = spec_for(arch, 3, MLP, steps=30, mechanism="disk_ckpt", failures=trace)
-    result, losses = run(spec, sqlite_url, tmp_path)
+    result, losses = run(spec, shared, tmp_path)
     trial = result.trials[0]
     assert trial.status == "completed", trial.error
     assert losses[-1] < losses[0]
@@ -244,7 +257,7 @@ TRACES = {
 @pytest.mark.parametrize("trace", list(TRACES))
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_every_architecture_survives_concurrent_and_cascading_failures(
-    arch: str, trace: str, sqlite_url: str, tmp_path: Path
+    arch: str, trace: str, shared: Shared, tmp_path: Path
 ) -> None:
     architecture, world, model = ARCHS[arch]
     mechanism, failures = TRACES[trace]
@@ -252,7 +265,7 @@ def test_every_architecture_survives_concurrent_and_cascading_failures(
     spec = spec_for(
         architecture, world, model, mechanism=mechanism, failures=failures, batch_size=batch
     )
-    result, losses = run(spec, sqlite_url, tmp_path)
+    result, losses = run(spec, shared, tmp_path)
     trial = result.trials[0]
     assert result.status == "completed" and trial.status == "completed", trial.error
     assert len(trial.failures) == len(failures.get("events", [None]))

@@ -1,6 +1,7 @@
 """Faults beyond the clean kill (issue 19): segfault, abort, an exception, a hang (SIGSTOP), a
-held GIL and a preemption with notice, each injected for real and recovered; the heartbeat that
-finds the hangs; their parameters' checks."""
+held GIL, a preemption with notice and silent corruption (a flipped bit, a NaN), each injected
+for real and recovered; the heartbeat that finds the hangs, the checks that find corruption;
+their parameters' checks."""
 
 from __future__ import annotations
 
@@ -16,16 +17,21 @@ import pytest
 from failbench_ray import kinds_report
 from failbench_ray.catalog import catalog
 from failbench_ray.checks import resolve
+from failbench_ray.controller.audit import DigestAudit
 from failbench_ray.controller.heartbeat import Heartbeat
 from failbench_ray.controller.notice import next_save_step
-from failbench_ray.errors import SpecError
+from failbench_ray.errors import RecoveryError, SpecError
+from failbench_ray.recovery import decide
 from failbench_ray.results import ExperimentResult, FailureResult, PhaseTimes, TrialResult
 from failbench_ray.runner import run_experiment
 from failbench_ray.spec import parse_spec
 from failbench_ray.storage import repo
 from failbench_ray.storage.db import Database
 from injector.chaos import Chaos
-from injector.kill_kinds import KILL_KINDS
+from injector.kill_kinds import KILL_KINDS, BitflipParams, CorruptParams, corrupt
+from mechanisms import MECHANISMS
+from mechanisms import checkpoint_io as io
+from mechanisms.base import FailureContext
 from tests.test_engine import small as engine_small
 
 # -- pure parts --------------------------------------------------------------------------------
@@ -108,6 +114,82 @@ def test_a_notice_comes_first_and_the_kill_strikes_notice_s_later() -> None:
         victim.wait()
 
 
+def test_the_digest_check_blames_the_minority_or_every_replica_without_one() -> None:
+    audit = DigestAudit([[0, 1, 2], [3, 4], [5]])  # rank 5's shard has no replica: not compared
+    assert audit.groups == [[0, 1, 2], [3, 4]]
+    for r in range(5):
+        audit.add(r, {10: "a"})
+    audit.add(5, {10: "z"})
+    assert audit.check(range(6)) is None and audit.verified == 10
+    for r, sums in {0: "b", 1: "b", 2: "x", 3: "c", 4: "c"}.items():
+        audit.add(r, {20: sums, 30: sums})
+    bad = audit.check(range(6))
+    assert bad is not None and (bad.step, bad.ranks) == (20, {2}) and audit.verified == 10
+    audit.rolled_back(10)
+    audit.add(3, {20: "c"})
+    audit.add(4, {20: "d"})
+    audit.add(0, {20: "b"})
+    assert audit.check(range(6)) is None  # ranks 1 and 2 have not reported the replay yet
+    assert audit.check([0, 3, 4]).ranks == {3, 4}  # two replicas: no majority, both suspect
+    audit.rolled_back(5)
+    assert audit.verified == 5
+
+
+def test_a_bitflip_flips_one_bit_and_a_nan_poisons_one_gradient_once() -> None:
+    import torch
+
+    p = torch.nn.Parameter(torch.ones(6))
+    before = p.detach().clone().view(torch.int32)
+    assert corrupt("bitflip", BitflipParams(element=4, bit=31), [p]).startswith("bit 31")
+    changed = (p.detach().view(torch.int32) ^ before).nonzero().flatten().tolist()
+    assert changed == [4] and p[4].item() == -1.0
+    q = torch.nn.Parameter(torch.ones(3))
+    corrupt("nan", CorruptParams(param=0, element=2), [q])
+    (q * 2).sum().backward()
+    assert q.grad is not None and q.grad.isnan().tolist() == [False, False, True]
+    q.grad = None
+    (q * 2).sum().backward()  # the hook fired once
+    assert q.grad is not None and q.grad.isfinite().all()
+    with pytest.raises(ValueError, match="this rank holds 1 parameter tensors"):
+        corrupt("nan", CorruptParams(param=1), [q])
+    with pytest.raises(ValueError, match="parameter 0 has 3 elements"):
+        corrupt("bitflip", BitflipParams(element=3), [q])
+
+
+def test_a_rollback_after_corruption_never_restores_state_newer_than_the_last_check(
+    tmp_path: Path,
+) -> None:
+    for step in (5, 10, 15):
+        (io.ckpt_root(tmp_path) / f"step_{step:08d}").mkdir(parents=True)
+        io.shard_path(tmp_path, step, 0).write_bytes(b"x")
+    assert io.latest_complete(tmp_path, [0], at_most=12) == 10
+    spec = parse_spec(engine_small())
+    resolved = resolve(spec)
+    ctx = dict(
+        world_size=4,
+        dead=frozenset({1}),
+        layout=resolved.arch.layout(),
+        committed_step=14,
+        failure_step=15,
+        quiesce="abort",
+    )
+    disk = MECHANISMS.get("disk_ckpt")(spec, resolved.mech.params)
+    plan = decide(
+        disk,
+        FailureContext(**ctx, latest_checkpoint=10, restore_at_most=12),
+        continues_without_dead=False,
+    )
+    assert plan.restore_step == 10
+    with pytest.raises(RecoveryError, match="cannot undo silent corruption"):
+        decide(
+            disk,
+            FailureContext(**ctx, latest_checkpoint=15, restore_at_most=12),
+            continues_without_dead=False,
+        )
+    assert io.discard_after(tmp_path, 10) == [15]  # the corrupt timeline's checkpoint
+    assert io.latest_complete(tmp_path, [0]) == 10
+
+
 def one_event(**event: Any) -> dict[str, Any]:
     return {"failures": {"kind": "single", "rank": 1, "at_step": 3, **event}}
 
@@ -126,7 +208,19 @@ def one_event(**event: Any) -> dict[str, Any]:
         ),
         (one_event(kill="gil_hang", kill_params={"hold_s": 0}), "hold_s: Input should be greater"),
         (one_event(kill="hang", kill_params={"hold_s": 5}), "(hang's parameters: none)"),
-        (one_event(kill="sigstop"), "unknown kill kind 'sigstop'; valid: abort, exception"),
+        (one_event(kill="sigstop"), "unknown kill kind 'sigstop'; valid: abort, bitflip"),
+        (
+            one_event(kill="bitflip", kill_params={"bit": 32}),
+            "failures.events[0].kill_params.bit: Input should be less than or equal to 31",
+        ),
+        (
+            {**one_event(kill="nan"), "detectors": {"nonfinite_every": 0}},
+            "detectors.nonfinite_every: Input should be greater than 0",
+        ),
+        (
+            {**one_event(kill="bitflip"), "detectors": {"digest_every": 0}},
+            "detectors.digest_every: Input should be greater than 0",
+        ),
         (
             {**one_event(kill="hang"), "detectors": {"heartbeat_timeout_s": None}},
             "kill=hang leaves the process alive and only the heartbeat finds it",
@@ -156,7 +250,8 @@ def test_the_catalog_says_which_detector_finds_each_kind() -> None:
     assert set(kinds) == set(KILL_KINDS.names())
     assert {n for n, k in kinds.items() if k["detector"] == "heartbeat"} == {"hang", "gil_hang"}
     assert kinds["preempt"]["params"]["notice_s"]["default"] == 2.0
-    assert {d["name"] for d in data["detectors"]} == {"death", "heartbeat"}
+    assert {d["name"] for d in data["detectors"]} == {"death", "heartbeat", "digest", "nonfinite"}
+    assert (kinds["bitflip"]["detector"], kinds["nan"]["detector"]) == ("digest", "nonfinite")
 
 
 def _trial(status: str, exact: bool | None, *failures: tuple[str, str, float]) -> TrialResult:
@@ -197,16 +292,23 @@ def test_the_report_says_which_mechanism_recovered_from_which_kind() -> None:
             _trial("completed", True, ("hang", "heartbeat", 1.6)),
             _trial("completed", False, ("hang", "heartbeat", 1.8)),
             _trial("failed", None, ("hang", "heartbeat", 2.0), ("sigkill", "death", 0.01)),
+            _trial("completed", True, ("bitflip", "digest", 0.4)),
+            _trial("completed", False).model_copy(
+                update={"silently_diverged": [{"kind": "bitflip", "ranks": [1], "step": 3}]}
+            ),
         ],
     )
     rows = kinds_report.kind_rows([("disk_ckpt", a)])
     assert [(r.mechanism, r.kind, r.trials, r.completed) for r in rows] == [
+        ("disk_ckpt", "bitflip", 2, 2),
         ("disk_ckpt", "hang", 3, 2),
         ("disk_ckpt", "sigkill", 1, 0),
     ]
     head, body = kinds_report.table(rows)
-    assert body[0] == ["disk_ckpt", "hang", "heartbeat", "1.800", "2/3", "1/2"]
-    assert body[1][-1] == "not expected"
+    assert head[-1] == "silently diverged"
+    assert body[0] == ["disk_ckpt", "bitflip", "digest", "0.400", "2/2", "1/2", "1/2"]
+    assert body[1] == ["disk_ckpt", "hang", "heartbeat", "1.800", "2/3", "1/2", "-"]
+    assert body[2][-2] == "not expected"
 
 
 # -- end to end: real faults on real Ray actors -------------------------------------------------
@@ -246,11 +348,11 @@ def run(
     return result
 
 
-def recovered_from(result: ExperimentResult, kind: str, detector: str) -> Any:
+def recovered_from(result: ExperimentResult, kind: str, detector: str, rank: int = 1) -> Any:
     trial = result.trials[0]
     assert trial.status == "completed", trial.error
     (f,) = trial.failures
-    assert (f.kill_kind, f.ranks, f.detector) == (kind, [1], detector)
+    assert (f.kill_kind, f.ranks, f.detector) == (kind, [rank], detector)
     assert f.phases.detected_s is not None and f.phases.restored_s is not None
     assert f.restore_source.startswith("checkpoint")
     # The oracle: rolled back to a checkpoint and replayed, bit for bit the baseline.
@@ -291,7 +393,7 @@ def test_a_preemption_notice_is_saved_on_and_the_kill_rolls_back_only_to_it(
     """disk_ckpt with no checkpoint on its schedule in the whole trial: the only checkpoint is
     the one every rank saves on the notice, before the SIGTERM lands."""
     spec = small(
-        steps=2000,  # ~3 ms a step: the trial outlasts the notice by seconds
+        steps=1200,  # ~3 ms a step: the trial outlasts the notice by seconds
         mechanism={"name": "disk_ckpt", "params": {"interval": 10_000}},
         **one_event(kill="preempt", at_step=5, kill_params={"notice_s": 0.5, "grace_s": 1.0}),
     )
@@ -309,3 +411,73 @@ def test_a_hung_pipeline_stage_is_found_and_recovered(
         **one_event(kill="hang", at_step=12),
     )
     recovered_from(run(shared, spec, tmp_path), "hang", "heartbeat")
+
+
+@pytest.mark.usefixtures("no_leaks")
+@pytest.mark.parametrize(("kind", "detector"), [("bitflip", "digest"), ("nan", "nonfinite")])
+def test_silent_corruption_is_found_and_rolled_back_to_state_that_passed_the_check(
+    shared: tuple[Database, dict[str, str]], tmp_path: Path, kind: str, detector: str
+) -> None:
+    """The victim trains on after the fault. The digest check (every 10 steps) finds the two
+    replicas apart at step 20; the NaN spreads through the all-reduce and the non-finite check
+    finds it after step 12. Every rank rolls back to the checkpoint of step 10 (not a newer
+    one of the corrupt timeline) and the replay ends bit for bit the baseline."""
+    f = recovered_from(
+        run(shared, small(**one_event(kill=kind, at_step=12)), tmp_path), kind, detector
+    )
+    assert (f.injected_at_step, f.restored_from_step) == (12, 10)
+
+
+@pytest.mark.usefixtures("no_leaks")
+def test_an_undetected_bitflip_is_reported_as_silently_diverged(
+    shared: tuple[Database, dict[str, str]], tmp_path: Path
+) -> None:
+    spec = small(detectors={"digest_every": None}, **one_event(kill="bitflip", at_step=12))
+    trial = run(shared, spec, tmp_path).trials[0]
+    assert trial.status == "completed" and trial.failures == []
+    assert trial.matches_baseline is False
+    assert trial.silently_diverged == [  # type: ignore[attr-defined]
+        {"kind": "bitflip", "ranks": [1], "step": 12, "trigger": "step=12"}
+    ]
+
+
+@pytest.mark.usefixtures("no_leaks")
+def test_a_bitflip_in_a_pipeline_stage_of_hybrid_is_found_by_its_replica(
+    shared: tuple[Database, dict[str, str]], tmp_path: Path
+) -> None:
+    spec = small(
+        world_size=4,
+        batch_size=32,
+        architecture={"name": "hybrid", "params": {"dp": 2, "pp": 2, "microbatches": 2}},
+        **one_event(kill="bitflip", at_step=12, rank=3, kill_params={"param": 1}),
+    )
+    f = recovered_from(run(shared, spec, tmp_path), "bitflip", "digest", rank=3)
+    assert f.restored_from_step == 10
+
+
+@pytest.mark.usefixtures("no_leaks")
+def test_jit_ckpt_rolls_back_to_its_save_on_notice_when_every_holder_of_a_shard_is_preempted(
+    shared: tuple[Database, dict[str, str]], tmp_path: Path
+) -> None:
+    """hybrid dp 2 x pp 2: ranks 0 and 2 hold the first stage. Both are preempted: no survivor
+    holds their state to checkpoint just in time, but the save on the notice does."""
+    spec = small(
+        world_size=4,
+        batch_size=32,
+        steps=400,  # ~12 ms a step: the trial outlasts the notice and the grace
+        architecture={"name": "hybrid", "params": {"dp": 2, "pp": 2, "microbatches": 2}},
+        mechanism="jit_ckpt",
+        failures={
+            "kind": "concurrent",
+            "ranks": [0, 2],
+            "at_step": 5,
+            "kill": "preempt",
+            "kill_params": {"notice_s": 0.5, "grace_s": 1.0},
+        },
+    )
+    trial = run(shared, spec, tmp_path).trials[0]
+    assert trial.status == "completed", trial.error
+    (f,) = trial.failures
+    assert f.restore_source.startswith("checkpoint: no survivor holds"), f.restore_source
+    assert f.restored_from_step is not None and 5 < f.restored_from_step < f.injected_at_step
+    assert trial.matches_baseline is True

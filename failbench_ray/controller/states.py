@@ -29,6 +29,7 @@ from failbench_ray.recovery import decide
 from failbench_ray.spec import Quiesce
 from failbench_ray.worker import RunReport
 from failbench_ray.worker_group import WorkerGroup
+from injector.kill_kinds import KILL_KINDS
 from mechanisms.base import RecoveryPlan, RestoreInstruction
 
 _POLL_S = 0.5  # how often training checks for a stop, progress, spares and regrowth
@@ -104,10 +105,19 @@ class Training(TrialState):
             if got.errors:
                 rank, err = got.first_error()
                 raise RecoveryError(f"rank {rank} failed: {err}")
+            corrupt = {r: rep for r, rep in got.values.items() if rep.status == "corrupt"}
+            if corrupt:
+                clean = min(rep.clean_step or 0 for rep in corrupt.values())
+                t.corrupted(set(corrupt), clean)
+                return failed_ranks(t, set(corrupt), "nonfinite")
             hung = t.beat()
             if hung:
                 t.end_hung(hung)
                 return failed_ranks(t, hung, "heartbeat")
+            mismatch = t.audit.check(t.live_handles())
+            if mismatch is not None:
+                t.corrupted(set(mismatch.ranks), t.audit.verified)
+                return failed_ranks(t, set(mismatch.ranks), "digest")
             if time.monotonic() - last_poll >= _POLL_S:
                 last_poll = time.monotonic()
                 t.check_stop()
@@ -117,6 +127,10 @@ class Training(TrialState):
                 if t.growth.ready():
                     return Regrowing()
         aborted = [r for r in reports.values() if r.status != "completed"]
+        mismatch = t.final_audit() if not aborted else None
+        if mismatch is not None:  # training ends on state that passed the check, or replays
+            t.corrupted(set(mismatch.ranks), t.audit.verified)
+            return failed_ranks(t, set(mismatch.ranks), "digest")
         if aborted:
             raise RecoveryError(
                 f"rank {aborted[0].rank} stopped with no dead peer: {aborted[0].reason}"
@@ -156,7 +170,20 @@ class Quiescing(TrialState):
         t.survivor_steps |= {
             r: rep.last_step for r, rep in got.values.items() if isinstance(rep, RunReport)
         }
-        t.survivor_steps = {r: s for r, s in t.survivor_steps.items() if r not in got.dead | t.dead}
+        # A survivor whose own check found its parameters not finite keeps no usable state:
+        # it is restored like a replacement, from state no newer than its last clean step.
+        corrupt = {
+            r: rep.clean_step or 0
+            for r, rep in got.values.items()
+            if isinstance(rep, RunReport) and rep.status == "corrupt"
+        }
+        if corrupt:
+            bound = min(corrupt.values())
+            t.restore_at_most = min(
+                bound, t.restore_at_most if t.restore_at_most is not None else bound
+            )
+        gone = got.dead | t.dead | set(corrupt)
+        t.survivor_steps = {r: s for r, s in t.survivor_steps.items() if r not in gone}
         survivors = list(t.survivor_steps.values())
         if survivors:
             t.committed, t.furthest = min(survivors), max(survivors)
@@ -236,6 +263,10 @@ class Restoring(TrialState):
         if dead:
             return failed_ranks(t, dead)
         t.mech.after_recovery(dict(t.standby.holders), plan.restore_step)
+        t.audit.rolled_back(plan.restore_step)
+        if t.restore_at_most is not None:  # the corrupt timeline's checkpoints are not state
+            t.mech.discard_after(t.setup.run_dir, plan.restore_step)
+            t.restore_at_most = None
         done = t.timeline.restored(plan, time.time())
         t.cb.after_restore(done, plan)
         t.committed = plan.restore_step
@@ -298,7 +329,18 @@ class Finishing(TrialState):
         o.params_digest, o.state_bytes_per_rank = final.digest, final.state_bytes_per_rank
         o.arch_metrics, o.replica_spread = final.arch_metrics, final.replica_spread
         o.members = list(t.members)
-        if final.error is not None:
+        undetected = [
+            inj
+            for inj in (t.chaos.injections() if t.setup.events else [])
+            if inj.index not in t.timeline.seen_injections
+        ]
+        o.silently_diverged = [
+            {"kind": inj.kill_kind, "ranks": inj.ranks, "step": inj.step, "trigger": inj.trigger}
+            for inj in undetected
+            if KILL_KINDS.get(inj.kill_kind).corrupts
+        ]
+        # Replicas that disagree are the expected end of an undetected corruption, not an error.
+        if final.error is not None and not o.silently_diverged:
             o.error = final.error
         return Finished()
 

@@ -17,8 +17,9 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from failbench_ray import banners
 from failbench_ray.checks import Resolved
+from failbench_ray.controller.audit import DigestAudit, Mismatch
 from failbench_ray.controller.callbacks import TrialCallback
-from failbench_ray.controller.calls import Gathered, RankCalls
+from failbench_ray.controller.calls import Gathered, RankCalls, gather
 from failbench_ray.controller.chaos_link import ChaosLink
 from failbench_ray.controller.heartbeat import Heartbeat
 from failbench_ray.controller.notice import NoticeResponder
@@ -49,6 +50,8 @@ class TrialOutcome:
     replica_spread: float | None = None  # for architectures where every rank is a replica
     arch_metrics: dict[str, float] = field(default_factory=dict)  # mean over the ranks
     rank_nodes: dict[int, str] = field(default_factory=dict)  # Ray node of each rank at start
+    # Corruptions injected and never detected: what the final state silently carries.
+    silently_diverged: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
 
 
@@ -92,6 +95,10 @@ class Trial:
         self.dead: set[int] = set()
         self.recoveries = 0
         self.survivor_steps: dict[int, int] = {}  # survivors of the last failure -> their step
+        comparable = self.spec.detectors.digest_every and not self.arch.independent_replicas
+        self.audit = DigestAudit(self.layout.replica_groups() if comparable else [])
+        # A silent corruption was found: no state newer than this step may be restored.
+        self.restore_at_most: int | None = None
 
     @property
     def workers(self) -> WorkerGroup:
@@ -185,12 +192,32 @@ class Trial:
             del self._pings[r]
             self.heartbeat.answered(r)  # a dead rank too: its run() call reports its death
             try:
-                self.steps[r] = ray.get(ref)
+                self.steps[r], sums = ray.get(ref)
             except RayActorError:
                 continue
+            self.audit.add(r, sums)
         if self.chaos.has_notices:
             self.notices.poll(self.chaos.noticed(), self.steps, self.spec.steps, live)
         return self.heartbeat.hung(live)
+
+    def final_audit(self) -> Mismatch | None:
+        """Training ended: compare the checksums no ping brought back yet (a short run can end
+        between two beats)."""
+        if not self.audit.groups:
+            return None
+        live = self.live_handles()
+        got = gather({r: h.progress.remote() for r, h in live.items()})
+        for r, (step, sums) in got.values.items():
+            self.steps[r] = step
+            self.audit.add(r, sums)
+        return self.audit.check(live)
+
+    def corrupted(self, ranks: set[int], clean_step: int) -> None:
+        """Silent corruption was found on `ranks`: state newer than `clean_step` is suspect.
+        The ranks are replaced (as a node with bad memory would be), every rank rolls back."""
+        bound = self.restore_at_most
+        self.restore_at_most = clean_step if bound is None else min(bound, clean_step)
+        self.end_hung(ranks)
 
     def end_hung(self, ranks: set[int]) -> None:
         """Hung ranks are failed ranks: end their processes (a SIGKILL ends a stopped one)."""
@@ -257,6 +284,13 @@ class Trial:
     def failure_context(self) -> FailureContext:
         alive = {r: s for r, s in self.survivor_steps.items() if r not in self.dead}
         own, replicas = self._inventories(alive)
+        bound = self.restore_at_most
+        if bound is not None:  # after a silent corruption: only state that passed the checks
+            own = {r: tuple(s for s in steps if s <= bound) for r, steps in own.items()}
+            replicas = {
+                shard: {s: who for s, who in by_step.items() if s <= bound}
+                for shard, by_step in replicas.items()
+            }
         return FailureContext(
             survivor_steps=alive,
             own_snapshots=own,
@@ -269,8 +303,9 @@ class Trial:
             committed_step=self.committed,
             failure_step=self.timeline.failure_step(self.committed),
             quiesce=self.quiesce()[0].value,
-            latest_checkpoint=self.mech.latest_checkpoint(self.setup.run_dir, self.layout),
+            latest_checkpoint=self.mech.latest_checkpoint(self.setup.run_dir, self.layout, bound),
             furthest_step=max(self.furthest, self.committed),
+            restore_at_most=bound,
         )
 
     def _inventories(
