@@ -48,10 +48,23 @@ def catalog() -> dict[str, list[dict[str, Any]]]:
             for n, k in KILL_KINDS.items()
         ],
         "detectors": [
-            {"name": n, "summary": what, "params": _params(DetectorSpec) if n != "death" else {}}
+            {"name": n, "summary": what, "params": _detector_params(n)}
             for n, what in DETECTORS.items()
         ],
     }
+
+
+# Each detector's own setting in `spec.DetectorSpec` (`death` has none: Ray reports it).
+_DETECTOR_FIELD = {
+    "heartbeat": "heartbeat_timeout_s",
+    "digest": "digest_every",
+    "nonfinite": "nonfinite_every",
+}
+
+
+def _detector_params(name: str) -> dict[str, Any]:
+    field = _DETECTOR_FIELD.get(name)
+    return {k: v for k, v in _params(DetectorSpec).items() if k == field}
 
 
 def mechanism_names() -> list[str]:

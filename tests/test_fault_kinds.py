@@ -252,6 +252,13 @@ def test_the_catalog_says_which_detector_finds_each_kind() -> None:
     assert kinds["preempt"]["params"]["notice_s"]["default"] == 2.0
     assert {d["name"] for d in data["detectors"]} == {"death", "heartbeat", "digest", "nonfinite"}
     assert (kinds["bitflip"]["detector"], kinds["nan"]["detector"]) == ("digest", "nonfinite")
+    own = {d["name"]: set(d["params"]) for d in data["detectors"]}  # each its own setting
+    assert own == {
+        "death": set(),
+        "heartbeat": {"heartbeat_timeout_s"},
+        "digest": {"digest_every"},
+        "nonfinite": {"nonfinite_every"},
+    }
 
 
 def _trial(status: str, exact: bool | None, *failures: tuple[str, str, float]) -> TrialResult:
