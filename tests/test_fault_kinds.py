@@ -471,7 +471,7 @@ def test_jit_ckpt_rolls_back_to_its_save_on_notice_when_every_holder_of_a_shard_
     spec = small(
         world_size=4,
         batch_size=32,
-        steps=400,  # ~12 ms a step: the trial outlasts the notice and the grace
+        steps=250,  # ~12 ms a step: the trial outlasts the notice by seconds
         architecture={"name": "hybrid", "params": {"dp": 2, "pp": 2, "microbatches": 2}},
         mechanism="jit_ckpt",
         failures={
@@ -479,7 +479,7 @@ def test_jit_ckpt_rolls_back_to_its_save_on_notice_when_every_holder_of_a_shard_
             "ranks": [0, 2],
             "at_step": 5,
             "kill": "preempt",
-            "kill_params": {"notice_s": 0.5, "grace_s": 1.0},
+            "kill_params": {"notice_s": 0.3, "grace_s": 1.0},
         },
     )
     trial = run(shared, spec, tmp_path).trials[0]

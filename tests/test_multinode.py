@@ -95,14 +95,16 @@ def test_pack_and_spread_place_ranks_and_a_node_kill_is_recovered(tmp_path: Path
     # a node has 2 CPUs and a rank takes 1: PACK puts both on one node, SPREAD on two
     assert len(set(nodes(pack).values())) == 1
     assert len(set(nodes(spread).values())) == 2
-    for run, restored_from in ((disk, 8), (inmem, 8)):
+    # inmem_replica's holders pull step 8's copy in the background: a node kill at step 9 can
+    # take that pull in flight, and then step 6's copies are the newest whole ones.
+    for run, restored_from in ((disk, {8}), (inmem, {6, 8})):
         result = run["result"]
         trial = result["trials"][0]
         assert result["status"] == "completed", trial.get("error")
         (f,) = trial["failures"]
         assert f["kill_kind"] == "node"
         assert f["ranks"] == [0]  # rank 1 runs on another node
-        assert f["restored_from_step"] == restored_from
+        assert f["restored_from_step"] in restored_from
         assert trial["matches_baseline"] is True  # the exact state came back
         placed = nodes(run)
         assert placed["0"] != placed["1"]
