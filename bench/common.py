@@ -9,6 +9,7 @@ inside functions only.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import statistics
@@ -99,6 +100,9 @@ def ray_cluster() -> Iterator[None]:
     try:
         yield
     finally:
+        # Object refs held in reference cycles (a finished trial's unanswered pings) must go
+        # while Ray is up: freed after `ray.shutdown()`, they end the process from Ray's C++.
+        gc.collect()
         ray.shutdown()
         left = wait_for_no_children()
         if left:
