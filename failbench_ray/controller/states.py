@@ -178,10 +178,7 @@ class Quiescing(TrialState):
             if isinstance(rep, RunReport) and rep.status == "corrupt"
         }
         if corrupt:
-            bound = min(corrupt.values())
-            t.restore_at_most = min(
-                bound, t.restore_at_most if t.restore_at_most is not None else bound
-            )
+            t.suspect_after(min(corrupt.values()))
         gone = got.dead | t.dead | set(corrupt)
         t.survivor_steps = {r: s for r, s in t.survivor_steps.items() if r not in gone}
         survivors = list(t.survivor_steps.values())

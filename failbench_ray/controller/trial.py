@@ -212,11 +212,15 @@ class Trial:
             self.audit.add(r, sums)
         return self.audit.check(live)
 
+    def suspect_after(self, clean_step: int) -> None:
+        """State newer than `clean_step` may be corrupt: the next restore takes none of it."""
+        bound = self.restore_at_most
+        self.restore_at_most = clean_step if bound is None else min(bound, clean_step)
+
     def corrupted(self, ranks: set[int], clean_step: int) -> None:
         """Silent corruption was found on `ranks`: state newer than `clean_step` is suspect.
         The ranks are replaced (as a node with bad memory would be), every rank rolls back."""
-        bound = self.restore_at_most
-        self.restore_at_most = clean_step if bound is None else min(bound, clean_step)
+        self.suspect_after(clean_step)
         self.end_hung(ranks)
 
     def end_hung(self, ranks: set[int]) -> None:
