@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -140,11 +141,13 @@ class ServerTrainer(Trainer):
         return {i: p.detach().numpy().copy() for i, p in self.owned.items()}
 
     def _wait(self, ready: Any) -> None:
+        start = time.monotonic()
         with self._cond:
             while not ready():
                 if self.ctx.abort.failed:
                     raise CollectiveAborted(self.ctx.abort.reason())
                 self._cond.wait(_POLL_S)
+        self.ctx.abort.waited(start, time.monotonic())
 
     def state_dict(self) -> dict[str, Any]:
         owned = {str(i): p.detach().clone() for i, p in self.owned.items()}
@@ -195,11 +198,12 @@ class WorkerTrainer(Trainer):
 
     def _get(self, refs: list[Any]) -> list[Arrays]:
         """Wait for the servers' replies; a dead server or an abort ends the step."""
-        pending = list(refs)
+        pending, start = list(refs), time.monotonic()
         while pending:
             if self.ctx.abort.failed:
                 raise CollectiveAborted(self.ctx.abort.reason())
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=_POLL_S)
+        self.ctx.abort.waited(start, time.monotonic())
         try:
             return list(ray.get(refs))
         except Exception as err:  # the server died or was aborted

@@ -9,6 +9,12 @@
    found by its check (digest, non-finite), rolled back and exact; and the steady-state cost of
    the checks at their default intervals (the fault-free job with the checks on and off, in
    alternating pairs: the median of the pairs' step-time ratios, goal at most 1.02).
+4. Stragglers: on each architecture (4 ranks), rank 1 runs 2 times slower from step 60 to the
+   end; the job's throughput with the straggler over before it (in the same run: the machine's
+   drift between two runs would be as large as the effect), and whether and how soon the
+   step-time outlier detector flagged rank 1 at its default threshold. No goal: synchronous
+   architectures should slow to the straggler and gossip and async ps should not; this reports
+   what happens.
 """
 
 from __future__ import annotations
@@ -27,6 +33,18 @@ KINDS = ("hang", "gil_hang")
 CORRUPTION = {"bitflip": "digest", "nan": "nonfinite"}
 CHECK_COST_GOAL = 1.02
 CHECKS_OFF = {"digest_every": None, "nonfinite_every": None}
+STRAGGLER_K = 2.0
+# Architecture -> its parameters, each on 4 ranks (ps: 1 server, 3 workers; rank 1 a worker).
+STRAGGLER_ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
+    "ddp": ("ddp", {}),
+    "fsdp": ("fsdp", {}),
+    "tensor": ("tensor", {}),
+    "pipeline": ("pipeline", {"microbatches": 4}),
+    "hybrid": ("hybrid", {"dp": 2, "pp": 2, "microbatches": 2}),
+    "gossip": ("gossip", {}),
+    "ps_sync": ("ps", {"servers": 1, "mode": "sync"}),
+    "ps_async": ("ps", {"servers": 1, "mode": "async"}),
+}
 
 
 def _latencies(env: Env, kind: str, trials: int) -> dict[str, Any]:
@@ -34,6 +52,8 @@ def _latencies(env: Env, kind: str, trials: int) -> dict[str, Any]:
         f"bench-detect-{kind}",
         trials,
         failures={"kind": "single", "rank": 1, "at_step": 15, "kill": kind},
+        # A corruption is judged by the oracle: its trials need the no-fault run to compare.
+        baseline=kind in CORRUPTION,
     )
     result, wall = run_spec(env, spec)
     found = [f for t in result.trials for f in t.failures]
@@ -76,6 +96,53 @@ def _check_cost(env: Env, pairs: int) -> dict[str, Any]:
     }
 
 
+def straggler_spec(label: str, arch: str, params: dict[str, Any], steps: int) -> dict[str, Any]:
+    return {
+        "name": f"bench-straggler-{label}",
+        "architecture": {"name": arch, "params": params},
+        "world_size": 4,
+        "model": {"kind": "mlp", "input_dim": 64, "hidden_dim": 256, "depth": 4},
+        "steps": steps,
+        "batch_size": 96,  # splits over 4 ranks, 3 ps workers and 4 microbatches
+        "trials": 1,
+        "baseline": False,
+        "mechanism": {"name": "none"},
+        "warmup_steps": 5,
+        "failures": {
+            "kind": "single",
+            "rank": 1,
+            "at_step": 60,
+            "kill": "straggler",
+            "kill_params": {"factor": STRAGGLER_K, "duration_s": 3600},
+        },
+    }
+
+
+def _stragglers(env: Env, steps: int) -> dict[str, Any]:
+    """Each architecture's throughput with one straggler at k=2 over without, in one run."""
+    out: dict[str, Any] = {}
+    for label, (arch, params) in STRAGGLER_ARCHS.items():
+        result, wall = run_spec(env, straggler_spec(label, arch, params, steps))
+        trial = result.trials[0]
+        extra = trial.model_extra or {}
+        before = extra.get("samples_per_s_before_straggler")
+        during = extra.get("samples_per_s_with_straggler")
+        flags = extra.get("stragglers") or []
+        mine = [f for f in flags if f["rank"] == 1]
+        out[label] = {
+            "status": trial.status,
+            "samples_per_s_before": before,
+            "samples_per_s_with_straggler": during,
+            "throughput_ratio": during / before if before and during else None,
+            "flagged": bool(mine),
+            "detected_s": mine[0]["detected_s"] if mine else None,
+            "flag_ratio": mine[0]["ratio"] if mine else None,
+            "other_ranks_flagged": sorted(f["rank"] for f in flags if f["rank"] != 1),
+            "wall_s": wall,
+        }
+    return out
+
+
 def goal_detectors(env: Env, cfg: BenchConfig) -> dict[str, Any]:
     measured = {kind: _latencies(env, kind, cfg.trials) for kind in (*KINDS, *CORRUPTION)}
     quiet, wall = run_spec(
@@ -87,6 +154,7 @@ def goal_detectors(env: Env, cfg: BenchConfig) -> dict[str, Any]:
         ),
     )
     alarms = [f for t in quiet.trials for f in t.failures]
+    flagged = [f for t in quiet.trials for f in (t.model_extra or {}).get("stragglers") or []]
     found_all = all(
         m["trials_completed"] == m["trials"] == len(m["detected_s"])
         and m["detectors"] == [CORRUPTION.get(kind, "heartbeat")]
@@ -97,25 +165,30 @@ def goal_detectors(env: Env, cfg: BenchConfig) -> dict[str, Any]:
         measured[k]["max_s"] is not None and measured[k]["max_s"] <= HANG_GOAL_S for k in KINDS
     )
     cost = _check_cost(env, max(3, cfg.trials))
+    stragglers = _stragglers(env, 120 if cfg.quick else 200)
     return with_status(
         {
             "goal": f"every hang found by the heartbeat within {HANG_GOAL_S:g} s (default "
-            f"timeout); no false alarm in {QUIET_STEPS} fault-free steps; every corruption "
+            f"timeout); no false alarm (a failure or a flagged straggler) in {QUIET_STEPS} "
+            "fault-free steps; every corruption "
             f"found by its check and rolled back exactly; the checks cost at most "
             f"{(CHECK_COST_GOAL - 1) * 100:g}% of a step at their default intervals",
             "met": found_all
             and fast
             and not alarms
+            and not flagged
             and quiet.trials[0].status == "completed"
             and cost["met"],
             "measured": measured,
             "check_cost": cost,
+            "stragglers": stragglers,
             "quiet": {
                 "steps": QUIET_STEPS,
                 "status": quiet.trials[0].status,
                 "false_alarms": [
                     {"ranks": f.ranks, "detector": f.detector, "kind": f.kill_kind} for f in alarms
-                ],
+                ]
+                + [{"ranks": [f["rank"]], "detector": "step_time", "kind": None} for f in flagged],
                 "step_time_s": quiet.trials[0].step_time_s,
                 "wall_s": wall,
             },
@@ -131,10 +204,17 @@ def detectors_text(m: dict[str, Any]) -> str:
     q = m.get("quiet", {})
     c = m.get("check_cost", {})
     ratio = c.get("median_ratio")
+    slow = "; ".join(
+        f"{a} x{r['throughput_ratio']:.2f}"
+        + (f" flagged in {r['detected_s']:.1f} s" if r.get("flagged") else " not flagged")
+        for a, r in m.get("stragglers", {}).items()
+        if r.get("throughput_ratio") is not None
+    )
     return (
         "; ".join(parts)
         + f"; false alarms in {q.get('steps')} fault-free steps: {len(q.get('false_alarms', []))}"
         + f" (goal every hang <= {HANG_GOAL_S:g} s, none); corruption checks on/off step time: "
         + (f"median {ratio:.3f} over {c.get('pairs')} pairs" if ratio else "not measured")
-        + f" (goal <= {CHECK_COST_GOAL:g})"
+        + f" (goal <= {CHECK_COST_GOAL:g}); a k={STRAGGLER_K:g} straggler, throughput with "
+        + f"it over before: {slow or 'not measured'}"
     )

@@ -54,17 +54,18 @@ def catalog() -> dict[str, list[dict[str, Any]]]:
     }
 
 
-# Each detector's own setting in `spec.DetectorSpec` (`death` has none: Ray reports it).
-_DETECTOR_FIELD = {
-    "heartbeat": "heartbeat_timeout_s",
-    "digest": "digest_every",
-    "nonfinite": "nonfinite_every",
+# Each detector's own settings in `spec.DetectorSpec` (`death` has none: Ray reports it).
+_DETECTOR_FIELDS = {
+    "heartbeat": ("heartbeat_timeout_s",),
+    "step_time": ("straggler_factor", "straggler_window", "straggler_action"),
+    "digest": ("digest_every",),
+    "nonfinite": ("nonfinite_every",),
 }
 
 
 def _detector_params(name: str) -> dict[str, Any]:
-    field = _DETECTOR_FIELD.get(name)
-    return {k: v for k, v in _params(DetectorSpec).items() if k == field}
+    fields = _DETECTOR_FIELDS.get(name, ())
+    return {k: v for k, v in _params(DetectorSpec).items() if k in fields}
 
 
 def mechanism_names() -> list[str]:

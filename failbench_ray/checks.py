@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 from architectures import ARCHITECTURES, Architecture
 from failbench_ray.errors import NotApplicableError, SpecError
 from failbench_ray.spec import ExperimentSpec
-from injector.kill_kinds import KILL_KINDS, KillKind
+from injector.kill_kinds import KILL_KINDS, CorruptParams, KillKind
 from injector.traces import check_trace
 from mechanisms import MECHANISMS, Mechanism
 
@@ -73,12 +73,15 @@ def resolve(spec: ExperimentSpec) -> Resolved:
                 f"kill={event.kill} needs a trigger inside the worker (at_step, or during: "
                 f"checkpoint_write), not {event.trigger}; use sigkill or ray_kill for that"
             )
+        if kind.corrupts:
+            _check_corrupt_target(spec, event.kill_params, i)
         if kind.detector == "heartbeat" and spec.detectors.heartbeat_timeout_s is None:
             raise SpecError(
                 f"kill={event.kill} leaves the process alive and only the heartbeat finds it, "
                 "but detectors.heartbeat_timeout_s is off; set it (default 1.5 s)",
                 ("detectors", "heartbeat_timeout_s"),
             )
+    _check_straggler_detector(spec, arch)
     reason = mech.not_applicable(arch)
     if reason:
         raise NotApplicableError(f"{mech.name} on {arch.name}: not applicable: {reason}")
@@ -90,3 +93,44 @@ def resolve(spec: ExperimentSpec) -> Resolved:
                     f"kills every rank; kill at most {spec.world_size - 1} ranks at once"
                 )
     return Resolved(spec, arch, mech)
+
+
+def _check_corrupt_target(spec: ExperimentSpec, kill_params: dict[str, Any], index: int) -> None:
+    """A corruption's `param` and `element` must exist in the model (a rank holds its shard
+    of it, which the victim checks again as it strikes). Built on the meta device: no memory."""
+    import torch
+
+    from failbench_ray.models import build_model
+
+    params = CorruptParams.model_validate(
+        {k: v for k, v in kill_params.items() if k in CorruptParams.model_fields}
+    )
+    with torch.device("meta"):
+        shapes = [p.numel() for p in build_model(spec.model, spec.seed).parameters()]
+    where = f"failures.events[{index}].kill_params"
+    if params.param >= len(shapes):
+        raise SpecError(
+            f"invalid spec: {where}.param={params.param}: the model has {len(shapes)} parameter "
+            f"tensors; use 0..{len(shapes) - 1}",
+            ("failures", "events", index, "kill_params", "param"),
+        )
+    if params.element >= shapes[params.param]:
+        raise SpecError(
+            f"invalid spec: {where}.element={params.element}: parameter {params.param} has "
+            f"{shapes[params.param]} elements; use 0..{shapes[params.param] - 1}",
+            ("failures", "events", index, "kill_params", "element"),
+        )
+
+
+def _check_straggler_detector(spec: ExperimentSpec, arch: Architecture) -> None:
+    """Replacing stragglers needs the step-time outlier detector, which needs every wait of a
+    step to pass through the worker (`Architecture.abortable`) to tell waits from work."""
+    d = spec.detectors
+    if d.straggler_action == "replace" and d.straggler_factor is not None and not arch.abortable:
+        raise SpecError(
+            f"detectors.straggler_action=replace: {arch.name}'s collectives are torch's own, so "
+            "the step-time outlier detector cannot tell a rank's waits on peers from its work "
+            "and finds no straggler there; use straggler_action: flag, or ddp, gossip, ps, "
+            "pipeline, or hybrid with tp=1",
+            ("detectors", "straggler_action"),
+        )

@@ -45,6 +45,7 @@ class AbortHandle:
         self._events: list[threading.Event] = []  # what `wait()` callers block on
         self._works: list[dist.Work] = []  # launched through this handle, maybe still running
         self._launched: list[float] = []  # when each of them was launched
+        self._waits: list[tuple[float, float]] = []  # this step's spans waiting on peers
 
     def _track(self, work: dist.Work) -> None:
         """Keep `work` (and forget finished ones) so `in_flight` can tell a stale one."""
@@ -78,6 +79,26 @@ class AbortHandle:
 
     def begin_step(self) -> None:
         self._step_failed = False
+        with self._lock:
+            self._waits = []
+
+    def waited(self, start: float, end: float) -> None:
+        """The step waited on peers from `start` to `end` (`time.monotonic()`)."""
+        with self._lock:
+            self._waits.append((start, end))
+
+    def take_waited(self) -> float:
+        """Seconds of this step spent waiting on peers (overlapping waits count once): what
+        is left of the step is the rank's own work, which a straggler does slower."""
+        with self._lock:
+            spans, self._waits = sorted(self._waits), []
+        total, reach = 0.0, float("-inf")
+        for start, end in spans:
+            start = max(start, reach)
+            if end > start:
+                total += end - start
+                reach = end
+        return total
 
     def check(self) -> None:
         """Raise if a collective of this step did not complete."""
@@ -99,6 +120,7 @@ class AbortHandle:
     ) -> torch.futures.Future:
         """A future completed by `work` (with `on_success()`), or by an abort (with `fallback`)."""
         out: torch.futures.Future = torch.futures.Future()
+        launched = time.monotonic()
         with self._lock:
             self._track(work)
             if self.failed:
@@ -114,6 +136,8 @@ class AbortHandle:
             except BaseException as err:  # the peer's socket closed, or the timeout hit
                 self.error = self.error or err
                 value, ok = fallback, False
+            # From launch to completion: in DDP the step blocks on it once backward is done.
+            self.waited(launched, time.monotonic())
             self._complete(out, value, ok)
 
         work.get_future().add_done_callback(done)
@@ -161,7 +185,9 @@ class AbortHandle:
                 raise CollectiveAborted(self.reason())
             self._events.append(event)
         threading.Thread(target=blocking_wait, daemon=True, name="gloo-wait").start()
+        start = time.monotonic()
         event.wait()
+        self.waited(start, time.monotonic())
         with self._lock:
             self._events.remove(event)
             if failure:

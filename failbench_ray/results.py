@@ -269,6 +269,21 @@ def throughput_around_failures(
     }
 
 
+def throughput_around_slowdowns(
+    records: Sequence[StepRecord], slowed: Sequence[tuple[float, float]], warmup_steps: int
+) -> dict[str, float | None]:
+    """Sample throughput before the first slowdown (a `straggler` that was not ended) and while
+    it lasted; `slowed` holds (start, end) instants."""
+    if not slowed or not records:
+        return {}
+    start = min((r.t_end for r in records if r.step == warmup_steps), default=0.0)
+    first = min(t for t, _ in slowed)
+    return {
+        "samples_per_s_before_straggler": throughput(records, start, first),
+        "samples_per_s_with_straggler": throughput(records, first, min(e for _, e in slowed)),
+    }
+
+
 def replica_spread(samples: Sequence[Sequence[float]]) -> float | None:
     """How far replicas are apart: max over ranks of |x_r - mean| / |mean| (relative L2)."""
     if len(samples) < 2:

@@ -383,8 +383,10 @@ def _extras(resolved: Resolved, outcome: TrialOutcome, steady: list[float]) -> d
         "rank_nodes": {str(r): n for r, n in sorted(outcome.rank_nodes.items())},
         "replica_spread": outcome.replica_spread,
         "silently_diverged": outcome.silently_diverged,
+        "stragglers": outcome.stragglers,
         **outcome.arch_metrics,
         **results.throughput_around_failures(outcome.records, outcome.failures, spec.warmup_steps),
+        **results.throughput_around_slowdowns(outcome.records, outcome.slowed, spec.warmup_steps),
         "recoveries": sum(f.restored_from_step is not None for f in outcome.failures),
         "grown_s": [f.phases.get("grown") for f in outcome.failures if "grown" in f.phases],
         **results.sample_accounting(

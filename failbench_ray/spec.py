@@ -228,6 +228,26 @@ class DetectorSpec(_Strict):
         description="Every this many steps each rank checks that its parameters are finite "
         "(`nan`). None: off.",
     )
+    straggler_factor: float | None = Field(
+        1.7,
+        gt=1,
+        le=1000,
+        description="A rank whose own computation time in a step (its waits on peers left out) "
+        "rises to this many times its earlier time, and this many times what the other ranks' "
+        "rose, is a straggler (`straggler`). None: off.",
+    )
+    straggler_window: int = Field(
+        10,
+        gt=0,
+        le=10_000,
+        description="Steps averaged for the straggler detector: a rank's earlier time and its "
+        "recent time are each the mean over this many steps.",
+    )
+    straggler_action: Literal["flag", "replace"] = Field(
+        "flag",
+        description="What a straggler gets: `flag` records it and training goes on at its pace; "
+        "`replace` ends it and the mechanism recovers it like a crash.",
+    )
 
 
 class Quiesce(str, Enum):

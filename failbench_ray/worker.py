@@ -183,10 +183,7 @@ class Worker(HoldsCopies, Reusable, TakesFaults):
         self.previous: Trainer | None = None  # last generation's trainer, for state handover
         self.generation = -1
         self.step = 0
-        self.armed: dict[tuple[str, int], int] = {}
-        self._save_steps: set[int] = set()  # steps to save off the schedule (`save_at`)
-        self._audits: dict[int, str] = {}  # step -> parameter checksum, for the digest check
-        self._clean_step = 0  # the last step whose parameters passed the checks
+        self._reset_faults()
         self._records: list[StepRecord] = []
         self._checkpoints: list[CheckpointEvent] = []
         # Every record also goes to a per-process file as the step ends: a SIGKILL loses the
@@ -313,6 +310,7 @@ class Worker(HoldsCopies, Reusable, TakesFaults):
         with self._lock:
             self._save_steps.clear()
             self._audits = {s: a for s, a in self._audits.items() if s <= step}
+            self._compute = {}  # steps to be replayed: timed anew
             self.step = step
         self._clean_step = step
         return events
@@ -353,7 +351,7 @@ class Worker(HoldsCopies, Reusable, TakesFaults):
             if handle.failed:
                 return self._report("aborted", handle.reason())
             self._failpoint("step", step)
-            t0 = time.time()
+            t0, started = time.time(), time.monotonic()
             handle.begin_step()
             try:
                 out = self.trainer.train_step(step)
@@ -363,6 +361,8 @@ class Worker(HoldsCopies, Reusable, TakesFaults):
                 # A collective inside torch (FSDP, DTensor, pipelining) failed: a peer died or
                 # the group timed out. The driver decides; with no dead peer it is an error.
                 return self._report("aborted", f"{type(err).__name__}: {err}".splitlines()[0])
+            # Its own work: the step without its waits on peers (the straggler detector's input)
+            self._computed(step, time.monotonic() - started - handle.take_waited())
             bad = self._audit(step)  # before the hooks: a corrupt state is never saved
             if bad is not None:
                 return self._report("corrupt", bad)

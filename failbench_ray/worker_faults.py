@@ -17,6 +17,7 @@ from injector.kill_kinds import KILL_KINDS, CorruptParams, corrupt, worker_side
 
 _FAILPOINT_WAIT_S = 120.0
 _AUDITS_KEPT = 8  # checksums a rank keeps until the driver has compared them
+_COMPUTE_KEPT = 32  # computation times a rank keeps until the driver has read them
 log = logging.getLogger("failbench.worker")
 
 
@@ -32,6 +33,15 @@ class TakesFaults:
     spec: Any
     _audits: dict[int, str]  # step -> parameter checksum (`progress` hands them over)
     _clean_step: int
+    _compute: dict[int, float]  # step -> seconds of own computation (`progress` hands them over)
+
+    def _reset_faults(self) -> None:
+        """A new trial: nothing armed, asked for or checked yet."""
+        self.armed = {}
+        self._save_steps = set()
+        self._audits = {}
+        self._clean_step = 0  # the last step whose parameters passed the checks
+        self._compute = {}
 
     def _failpoint(self, where: str, step: int) -> None:
         """Stop here if an event is armed here: the chaos actor says when every victim has
@@ -76,12 +86,19 @@ class TakesFaults:
         ctypes.PyDLL(None).sleep(ctypes.c_uint(math.ceil(hold_s)))
 
     @ray.method(concurrency_group="beat")
-    def progress(self) -> tuple[int, dict[int, str]]:
+    def progress(self) -> tuple[int, dict[int, str], dict[int, float]]:
         """The heartbeat's ping: a thread of its own, so a busy `serve_peer` (a parameter
         server's pushes) never delays it and only a hung process leaves it unanswered.
-        Returns the last completed step and the latest parameter checksums (step -> sum)."""
+        Returns the last completed step, the latest parameter checksums (step -> sum) and the
+        latest steps' own computation times (step -> seconds, for the straggler detector)."""
         with self._lock:
-            return self.step, dict(self._audits)
+            return self.step, dict(self._audits), dict(self._compute)
+
+    def _computed(self, step: int, seconds: float) -> None:
+        with self._lock:
+            self._compute[step] = seconds
+            for old in sorted(self._compute)[:-_COMPUTE_KEPT]:
+                del self._compute[old]
 
     def _audit(self, step: int) -> str | None:
         """The silent-corruption checks due after `step` (`spec.detectors`): records the

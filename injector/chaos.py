@@ -21,6 +21,7 @@ from typing import Any
 import ray
 
 from failbench_ray.spec import FailureEvent
+from injector import throttle
 from injector.kill_kinds import KILL_KINDS, Target
 
 log = logging.getLogger("failbench.chaos")
@@ -36,6 +37,7 @@ class Injection:
     trigger: str
     t_injected: float
     step: int | None  # the step in flight, when the trigger knows it
+    lasts_s: float | None = None  # a fault that ends by itself (a straggler's duration_s)
 
 
 class Chaos:
@@ -114,8 +116,10 @@ class Chaos:
             return sorted(self._fired)
 
     def stop(self) -> None:
+        """Cancel what has not struck, and end every throttle (its ranks run on)."""
         for t in self._timers:
             t.cancel()
+        throttle.stop_all()
 
     def _fire(self, index: int, step: int | None) -> None:
         with self._cond:
@@ -173,7 +177,8 @@ class Chaos:
             event.trigger,
             step,
         )
-        inj = Injection(index, ranks, event.kill, event.trigger, t, step)
+        lasts = kind.lasts_s(params) if kind.lasts_s is not None else None
+        inj = Injection(index, ranks, event.kill, event.trigger, t, step, lasts)
         self._fired[index] = inj
         self._cond.notify_all()
         return inj

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field
 
 from failbench_ray.registry import Registry
+from injector import throttle
 
 
 class Target(NamedTuple):
@@ -54,6 +55,20 @@ class PreemptParams(NoParams):
     )
 
 
+class StragglerParams(NoParams):
+    factor: float = Field(
+        2.0, gt=1, le=100, description="How many times slower the rank runs (more than 1)."
+    )
+    duration_s: float = Field(30.0, gt=0, le=86_400, description="How long it stays slow.")
+    period_s: float = Field(
+        0.02,
+        ge=0.002,
+        le=1.0,
+        description="One run-and-stop cycle of the throttle (a CPU quota's period); under a "
+        "second, so the heartbeat never takes the stops for a hang.",
+    )
+
+
 class CorruptParams(NoParams):
     """Which number of the victim's own parameters (its shard) is hit."""
 
@@ -75,6 +90,11 @@ DETECTORS: dict[str, str] = {
     "heartbeat": "the driver's progress heartbeat: a rank that answers no ping for "
     "detectors.heartbeat_timeout_s while others do is hung; it is killed and recovered like a "
     "crash",
+    "step_time": "the step-time outlier detector: a rank whose own computation in a step (its "
+    "waits on peers left out) takes detectors.straggler_factor times its earlier time, while "
+    "the other ranks' does not, is a straggler; flagged, or replaced like a crash "
+    "(detectors.straggler_action). Where every wait passes through the worker: ddp, gossip, "
+    "ps, pipeline, hybrid with tp=1 (not fsdp, tensor: their collectives are torch's own)",
     "digest": "the cross-replica digest check: every detectors.digest_every steps each rank "
     "reports a checksum of its parameters; replicas of a shard that disagree are corrupt (the "
     "minority, or all of them without a majority), and every rank rolls back to state no newer "
@@ -97,6 +117,8 @@ class KillKind:
     notice_s: Callable[[Any], float] | None = None
     # Done by the victim at its failpoint, which then trains on (silent corruption).
     corrupts: bool = False
+    # Seconds until the fault ends by itself (None: it lasts): the victim is slow meanwhile.
+    lasts_s: Callable[[Any], float] | None = None
 
 
 def _kill_pids(pids: list[int], sig: int = signal.SIGKILL) -> None:
@@ -136,6 +158,18 @@ def _sigkill(ranks: list[int], targets: dict[int, Target], _: Any) -> list[int]:
 def _hang(ranks: list[int], targets: dict[int, Target], _: Any) -> list[int]:
     """SIGSTOP: the process keeps its sockets and its actor, and answers nothing."""
     return signal_ranks(ranks, targets, signal.SIGSTOP)
+
+
+def _straggler(ranks: list[int], targets: dict[int, Target], params: StragglerParams) -> list[int]:
+    """A throttle on each rank's process, from outside (`throttle.duty_cycle`)."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+    by_node: dict[str, list[int]] = {}
+    for rank in ranks:
+        by_node.setdefault(targets[rank].node_id or here, []).append(targets[rank].pid)
+    throttle.start(by_node, here, params.factor, params.period_s, params.duration_s)
+    return list(ranks)
 
 
 def _gil_hang(ranks: list[int], targets: dict[int, Target], params: GilHangParams) -> list[int]:
@@ -269,6 +303,19 @@ KILL_KINDS.add(
         _gil_hang,
         GilHangParams,
         detector="heartbeat",
+    ),
+)
+KILL_KINDS.add(
+    "straggler",
+    KillKind(
+        "straggler",
+        "the rank runs factor times slower for duration_s, throttled from outside (a "
+        "SIGSTOP/SIGCONT duty cycle of period_s); it lives and answers",
+        False,
+        _straggler,
+        StragglerParams,
+        detector="step_time",
+        lasts_s=lambda p: float(p.duration_s),
     ),
 )
 KILL_KINDS.add(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +18,11 @@ import pytest
 from failbench_ray import kinds_report
 from failbench_ray.catalog import catalog
 from failbench_ray.checks import resolve
+from failbench_ray.comm import AbortHandle
 from failbench_ray.controller.audit import DigestAudit
 from failbench_ray.controller.heartbeat import Heartbeat
 from failbench_ray.controller.notice import next_save_step
+from failbench_ray.controller.stragglers import Outlier, StepTimeOutliers
 from failbench_ray.errors import RecoveryError, SpecError
 from failbench_ray.recovery import decide
 from failbench_ray.results import ExperimentResult, FailureResult, PhaseTimes, TrialResult
@@ -27,6 +30,7 @@ from failbench_ray.runner import run_experiment
 from failbench_ray.spec import parse_spec
 from failbench_ray.storage import repo
 from failbench_ray.storage.db import Database
+from injector import throttle
 from injector.chaos import Chaos
 from injector.kill_kinds import KILL_KINDS, BitflipParams, CorruptParams, corrupt
 from mechanisms import MECHANISMS
@@ -77,6 +81,79 @@ def test_the_heartbeat_blames_no_rank_when_every_rank_is_silent_or_it_is_off() -
     off.sent(0)
     clock.now += 1000
     assert off.hung({0, 1}) == set()
+
+
+def _feed(det: StepTimeOutliers, step: int, times: dict[int, float]) -> list[Outlier]:
+    for rank, t in times.items():
+        det.add(rank, {step: t})
+    return det.check(times)
+
+
+def test_the_step_time_detector_flags_the_rank_that_computes_slower_than_it_did() -> None:
+    det = StepTimeOutliers(factor=1.7, window=4, skip=2, base_windows=2)
+    # Warm-up (skipped), then the yardstick: stage 2 of a pipeline does twice the work of the
+    # others, and that is its normal, not an outlier.
+    for step in range(1, 11):
+        assert _feed(det, step, {0: 0.01, 1: 0.01, 2: 0.02}) == []
+    assert det.ratio(1) is None  # no recent window yet
+    for step in range(11, 14):
+        assert _feed(det, step, {0: 0.01, 1: 0.03, 2: 0.02}) == []  # the window is not full
+    (found,) = _feed(det, 14, {0: 0.01, 1: 0.03, 2: 0.02})
+    assert (found.rank, found.step, found.ratio, found.others) == (1, 14, 3.0, 1.0)
+    assert "rank 1 computes 3.0x its earlier time by step 14" in found.describe()
+    assert _feed(det, 15, {0: 0.01, 1: 0.03, 2: 0.02}) == []  # flagged once
+
+
+def test_the_step_time_detector_blames_no_rank_when_the_whole_machine_slows() -> None:
+    det = StepTimeOutliers(factor=1.7, window=4, skip=0, base_windows=1)
+    for step in range(1, 5):
+        _feed(det, step, {0: 0.01, 1: 0.01, 2: 0.01})
+    for step in range(5, 9):
+        assert _feed(det, step, {0: 0.03, 1: 0.03, 2: 0.035}) == []
+    # A rank that computes nothing (a parameter server between pushes) is never compared.
+    det.add(3, {9: 0.0})
+    assert det.ratio(3) is None
+    off = StepTimeOutliers(factor=None, window=1, skip=0)
+    for step in range(1, 5):
+        assert _feed(off, step, {0: 0.01, 1: 1.0 * step}) == []
+
+
+def test_a_steps_waits_on_peers_count_once_however_they_overlap() -> None:
+    handle = AbortHandle()
+    handle.begin_step()
+    handle.waited(10.0, 12.0)  # a gradient all-reduce in flight...
+    handle.waited(11.0, 12.5)  # ...while the step also waits on a message
+    handle.waited(20.0, 21.0)
+    assert handle.take_waited() == pytest.approx(3.5)
+    assert handle.take_waited() == 0.0  # taken
+
+
+def test_a_straggler_runs_its_process_at_one_over_factor_of_the_time() -> None:
+    """The duty cycle, on a real process: it stops and resumes it, and leaves it running."""
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        stop = threading.Event()
+        cycle = threading.Thread(
+            target=throttle.duty_cycle, args=([proc.pid], 4.0, 0.05, 30, stop.is_set)
+        )
+        cycle.start()
+        states = set()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and states != {"T", "S"}:
+            states.add(_proc_state(proc.pid))
+            time.sleep(0.003)
+        stop.set()
+        cycle.join(5)
+        assert states == {"T", "S"}  # stopped 3/4 of each cycle, sleeping (running) the rest
+        assert _proc_state(proc.pid) == "S"  # resumed when the cycle ended early
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _proc_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def test_the_save_on_notice_step_is_ahead_of_every_rank_and_within_the_trial() -> None:
@@ -229,6 +306,39 @@ def one_event(**event: Any) -> dict[str, Any]:
             {"failures": {"kind": "single", "rank": 1, "at_seconds": 2, "kill": "segfault"}},
             "kill=segfault needs a trigger inside the worker",
         ),
+        (
+            one_event(kill="straggler", kill_params={"factor": 1}),
+            "failures.events[0].kill_params.factor: Input should be greater than 1 (straggler's "
+            "parameters: factor, duration_s, period_s)",
+        ),
+        (
+            one_event(kill="straggler", kill_params={"period_s": 2}),
+            "kill_params.period_s: Input should be less than or equal to 1",
+        ),
+        (
+            {**one_event(kill="straggler"), "detectors": {"straggler_factor": 0.9}},
+            "detectors.straggler_factor: Input should be greater than 1",
+        ),
+        (
+            {**one_event(kill="straggler"), "detectors": {"straggler_window": 0}},
+            "detectors.straggler_window: Input should be greater than 0",
+        ),
+        (
+            {
+                **one_event(kill="straggler"),
+                "architecture": "fsdp",
+                "detectors": {"straggler_action": "replace"},
+            },
+            "detectors.straggler_action=replace: fsdp's collectives are torch's own",
+        ),
+        (
+            one_event(kill="bitflip", kill_params={"param": 10}),
+            "failures.events[0].kill_params.param=10: the model has 10 parameter tensors; use 0..9",
+        ),
+        (
+            one_event(kill="nan", kill_params={"param": 9, "element": 10}),
+            "kill_params.element=10: parameter 9 has 10 elements; use 0..9",
+        ),
     ],
 )
 def test_bad_fault_parameters_get_one_line_that_says_what_to_change(
@@ -249,13 +359,21 @@ def test_the_catalog_says_which_detector_finds_each_kind() -> None:
     kinds = {k["name"]: k for k in data["kill_kinds"]}
     assert set(kinds) == set(KILL_KINDS.names())
     assert {n for n, k in kinds.items() if k["detector"] == "heartbeat"} == {"hang", "gil_hang"}
+    assert kinds["straggler"]["detector"] == "step_time"
     assert kinds["preempt"]["params"]["notice_s"]["default"] == 2.0
-    assert {d["name"] for d in data["detectors"]} == {"death", "heartbeat", "digest", "nonfinite"}
+    assert {d["name"] for d in data["detectors"]} == {
+        "death",
+        "heartbeat",
+        "step_time",
+        "digest",
+        "nonfinite",
+    }
     assert (kinds["bitflip"]["detector"], kinds["nan"]["detector"]) == ("digest", "nonfinite")
     own = {d["name"]: set(d["params"]) for d in data["detectors"]}  # each its own setting
     assert own == {
         "death": set(),
         "heartbeat": {"heartbeat_timeout_s"},
+        "step_time": {"straggler_factor", "straggler_window", "straggler_action"},
         "digest": {"digest_every"},
         "nonfinite": {"nonfinite_every"},
     }
@@ -488,3 +606,44 @@ def test_jit_ckpt_rolls_back_to_its_save_on_notice_when_every_holder_of_a_shard_
     assert f.restore_source.startswith("checkpoint: no survivor holds"), f.restore_source
     assert f.restored_from_step is not None and 5 < f.restored_from_step < f.injected_at_step
     assert trial.matches_baseline is True
+
+
+def straggler_job(**detectors: Any) -> dict[str, Any]:
+    """Steps long enough (a few ms of work each) for a 10 ms throttle cycle to show; rank 1
+    runs 5 times slower from step 40 (the detector has learnt every rank's time by then)."""
+    return small(
+        steps=110,
+        model={"kind": "mlp", "input_dim": 64, "hidden_dim": 256, "depth": 4},
+        batch_size=64,
+        detectors={"straggler_factor": 2.5, **detectors},
+        **one_event(
+            kill="straggler",
+            at_step=40,
+            kill_params={"factor": 5, "duration_s": 600, "period_s": 0.01},
+        ),
+    )
+
+
+@pytest.mark.usefixtures("no_leaks")
+def test_a_straggler_is_flagged_by_its_step_time_and_training_goes_on_at_its_pace(
+    shared: tuple[Database, dict[str, str]], tmp_path: Path
+) -> None:
+    trial = run(shared, {**straggler_job(), "baseline": False}, tmp_path).trials[0]
+    assert trial.status == "completed", trial.error
+    assert trial.failures == []  # flagged, not failed
+    (flag,) = trial.stragglers  # type: ignore[attr-defined]
+    assert (flag["rank"], flag["kind"], flag["action"]) == (1, "straggler", "flag")
+    assert flag["ratio"] >= 2.5 and 40 < flag["step"] <= 110
+    assert 0 < flag["detected_s"] < 30
+
+
+@pytest.mark.usefixtures("no_leaks")
+def test_a_straggler_set_to_be_replaced_is_recovered_like_a_crash(
+    shared: tuple[Database, dict[str, str]], tmp_path: Path
+) -> None:
+    """With straggler_action: replace the slow rank is ended when found and disk_ckpt
+    restores it from its last checkpoint; a slow rank computes right, so the result is exact."""
+    result = run(shared, straggler_job(straggler_action="replace"), tmp_path)
+    f = recovered_from(result, "straggler", "step_time")
+    assert f.restored_from_step is not None and f.restored_from_step >= 40
+    assert 0 < f.phases.detected_s < 30

@@ -43,7 +43,7 @@ def _stop_rank_when_training(
                     continue
                 # A reused process can say its new trial before its progress is reset: stop
                 # it only once its step has moved since first seen (it trains this trial).
-                step, _ = ray.get(handle.progress.remote(), timeout=5)
+                step = ray.get(handle.progress.remote(), timeout=5)[0]
                 first = seen.setdefault(me["pid"], step)
                 if step >= at_step and step > first:
                     os.kill(me["pid"], signal.SIGSTOP)

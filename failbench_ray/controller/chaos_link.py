@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import ray
+from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from failbench_ray.errors import RecoveryError
@@ -49,6 +51,13 @@ class ChaosLink:
     def go(self) -> None:
         """Timers start now (training starts)."""
         ray.get(self.actor.start.remote())
+
+    def stop(self) -> None:
+        """The trial ends: timers cancelled, throttled ranks resumed (before the processes are
+        ended or given back to the pool, so none is left stopped)."""
+        if self.actor is not None:
+            with contextlib.suppress(RayError):
+                ray.get(self.actor.stop.remote(), timeout=30)
 
     def fired(self) -> set[int]:
         return set(ray.get(self.actor.fired.remote()))

@@ -15,6 +15,7 @@ A `RecoveryError` from any state fails the trial (the controller's `Failed`).
 
 from __future__ import annotations
 
+import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from typing import Any, ClassVar
 from failbench_ray.comm import rendezvous_store
 from failbench_ray.controller.calls import gather
 from failbench_ray.controller.final_check import check
+from failbench_ray.controller.stragglers import flag_records
 from failbench_ray.controller.trial import Trial
 from failbench_ray.errors import RecoveryError
 from failbench_ray.recovery import decide
@@ -32,6 +34,7 @@ from failbench_ray.worker_group import WorkerGroup
 from injector.kill_kinds import KILL_KINDS
 from mechanisms.base import RecoveryPlan, RestoreInstruction
 
+log = logging.getLogger("failbench.controller")
 _POLL_S = 0.5  # how often training checks for a stop, progress, spares and regrowth
 _BEAT_S = 0.2  # how often training pings the ranks (the heartbeat) and reads notices
 
@@ -105,19 +108,9 @@ class Training(TrialState):
             if got.errors:
                 rank, err = got.first_error()
                 raise RecoveryError(f"rank {rank} failed: {err}")
-            corrupt = {r: rep for r, rep in got.values.items() if rep.status == "corrupt"}
-            if corrupt:
-                clean = min(rep.clean_step or 0 for rep in corrupt.values())
-                t.corrupted(set(corrupt), clean)
-                return failed_ranks(t, set(corrupt), "nonfinite")
-            hung = t.beat()
-            if hung:
-                t.end_hung(hung)
-                return failed_ranks(t, hung, "heartbeat")
-            mismatch = t.audit.check(t.live_handles())
-            if mismatch is not None:
-                t.corrupted(set(mismatch.ranks), t.audit.verified)
-                return failed_ranks(t, set(mismatch.ranks), "digest")
+            found = self._detect(t, got.values)
+            if found is not None:
+                return found
             if time.monotonic() - last_poll >= _POLL_S:
                 last_poll = time.monotonic()
                 t.check_stop()
@@ -137,6 +130,35 @@ class Training(TrialState):
             )
         t.cb.after_progress(t.spec.steps)
         return Finishing()
+
+    @staticmethod
+    def _detect(t: Trial, reports: dict[int, RunReport]) -> TrialState | None:
+        """The detectors of failures that leave the process alive (`kill_kinds.DETECTORS`):
+        the state to go to if one fired."""
+        corrupt = {r: rep for r, rep in reports.items() if rep.status == "corrupt"}
+        if corrupt:
+            clean = min(rep.clean_step or 0 for rep in corrupt.values())
+            t.corrupted(set(corrupt), clean)
+            return failed_ranks(t, set(corrupt), "nonfinite")
+        hung = t.beat()
+        if hung:
+            t.end_hung(hung)
+            return failed_ranks(t, hung, "heartbeat")
+        slow = t.outliers.check(t.live_handles())
+        if slow:
+            action = t.spec.detectors.straggler_action
+            for o in slow:
+                log.warning("%s: straggler: %s", t.setup.label, o.describe())
+            t.outcome.stragglers += flag_records(slow, t.chaos.injections(), time.time(), action)
+            if action == "replace":
+                ranks = {o.rank for o in slow}
+                t.end_hung(ranks)
+                return failed_ranks(t, ranks, "step_time")
+        mismatch = t.audit.check(t.live_handles())
+        if mismatch is not None:
+            t.corrupted(set(mismatch.ranks), t.audit.verified)
+            return failed_ranks(t, set(mismatch.ranks), "digest")
+        return None
 
     @staticmethod
     def _report_progress(t: Trial) -> None:
@@ -335,6 +357,11 @@ class Finishing(TrialState):
             {"kind": inj.kill_kind, "ranks": inj.ranks, "step": inj.step, "trigger": inj.trigger}
             for inj in undetected
             if KILL_KINDS.get(inj.kill_kind).corrupts
+        ]
+        o.slowed = [
+            (inj.t_injected, inj.t_injected + inj.lasts_s)
+            for inj in undetected
+            if inj.lasts_s is not None
         ]
         # Replicas that disagree are the expected end of an undetected corruption, not an error.
         if final.error is not None and not o.silently_diverged:

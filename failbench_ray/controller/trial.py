@@ -25,6 +25,7 @@ from failbench_ray.controller.heartbeat import Heartbeat
 from failbench_ray.controller.notice import NoticeResponder
 from failbench_ray.controller.regrow import Growth
 from failbench_ray.controller.standby import Standby
+from failbench_ray.controller.stragglers import StepTimeOutliers
 from failbench_ray.controller.timeline import RecoveryTimeline
 from failbench_ray.controller.watchdog import StallWatchdog
 from failbench_ray.errors import RecoveryError, TrialInterrupted
@@ -52,6 +53,10 @@ class TrialOutcome:
     rank_nodes: dict[int, str] = field(default_factory=dict)  # Ray node of each rank at start
     # Corruptions injected and never detected: what the final state silently carries.
     silently_diverged: list[dict[str, Any]] = field(default_factory=list)
+    # Ranks the step-time outlier detector flagged (each with what was injected there, if any).
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    # Slowdowns injected and never ended by a recovery: (when they began, when they end).
+    slowed: list[tuple[float, float]] = field(default_factory=list)
     error: str | None = None
 
 
@@ -82,6 +87,7 @@ class Trial:
         self.growth = Growth()
         self.watchdog = StallWatchdog(self.spec.stall_limit_s)
         self.heartbeat = Heartbeat(self.spec.detectors.heartbeat_timeout_s)
+        self.outliers = StepTimeOutliers.of(self.spec.detectors, self.arch.abortable)
         self.notices = NoticeResponder(self.mech.saves_on_notice)
         self._pings: dict[int, Any] = {}  # rank -> its unanswered progress() call
         self.steps: dict[int, int] = {}  # rank -> the last step it said it completed
@@ -125,6 +131,7 @@ class Trial:
 
     def close(self) -> None:
         """Stop every actor of this trial (also on Ctrl-C)."""
+        self.chaos.stop()  # a throttled rank runs again before it is ended or given back
         helpers = self.standby.release()  # ended or given back with the group's actors
         if self.group is not None:
             self.group.shutdown(chaos=self.chaos.actor, helpers=helpers)
@@ -175,6 +182,7 @@ class Trial:
     # -- the heartbeat -------------------------------------------------------------------
     def restart_beats(self) -> None:
         self.heartbeat.restart()
+        self.outliers.restart()
         self._pings, self.steps = {}, {}
 
     def beat(self) -> set[int]:
@@ -192,10 +200,11 @@ class Trial:
             del self._pings[r]
             self.heartbeat.answered(r)  # a dead rank too: its run() call reports its death
             try:
-                self.steps[r], sums = ray.get(ref)
+                self.steps[r], sums, compute = ray.get(ref)
             except RayActorError:
                 continue
             self.audit.add(r, sums)
+            self.outliers.add(r, compute)
         if self.chaos.has_notices:
             self.notices.poll(self.chaos.noticed(), self.steps, self.spec.steps, live)
         return self.heartbeat.hung(live)
@@ -207,7 +216,7 @@ class Trial:
             return None
         live = self.live_handles()
         got = gather({r: h.progress.remote() for r, h in live.items()})
-        for r, (step, sums) in got.values.items():
+        for r, (step, sums, _) in got.values.items():
             self.steps[r] = step
             self.audit.add(r, sums)
         return self.audit.check(live)
