@@ -32,7 +32,7 @@ from api.auth import require_reader, require_writer
 from api.settings import Settings
 from architectures import ARCHITECTURES
 from failbench_ray.recommend import PRESETS
-from failbench_ray.spec import CHECKPOINT_WRITE, RECOVERY_TRIGGERS
+from failbench_ray.spec import RECOVERY_TRIGGERS, WORKER_TRIGGERS
 from failbench_ray.storage.status import ExperimentStatus
 from failbench_ray.sweep import GRID_AXES, TRACE_SHORTHANDS
 from injector.kill_kinds import KILL_KINDS
@@ -81,7 +81,7 @@ def _names() -> dict[str, list[str]]:
         "trace": TRACE_KINDS.names(),
         "trace_shorthand": list(TRACE_SHORTHANDS),
         "kill": KILL_KINDS.names(),
-        "during": [*RECOVERY_TRIGGERS, CHECKPOINT_WRITE],
+        "during": [*RECOVERY_TRIGGERS, *WORKER_TRIGGERS],
         "preset": list(PRESETS),
         "status": [s.value for s in ExperimentStatus],
     }

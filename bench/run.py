@@ -29,7 +29,11 @@ Goals (each reported with the numbers measured, the goal, and whether it was met
 10. detectors (`bench/detectors.py`, issue 19): a hang (SIGSTOP) and a held GIL found by the
    heartbeat within 2 s at its default timeout, every trial; no false alarm in 1,000 fault-free
    steps; a bitflip and a NaN found by their checks and rolled back exactly; the checks' cost at
-   their default intervals (on vs off, in alternating pairs) at most 2% of a step.
+   their default intervals (on vs off, in alternating pairs) at most 2% of a step; and per
+   architecture, the throughput with a k=2 straggler over before it (reported, no goal).
+11. search (`bench/search.py`, issue 19): `failbench search` over every applicable pair of the
+   paper matrix, 10 min (--quick) or 30 min: no window where recovery hangs, fails, loses data
+   or breaks the oracle; each finding's smallest reproducing spec in the JSON.
 
 Ray and the project's runner are imported inside functions: the plain loop's spawned processes
 import this module (it is `__main__`) and must not pay for Ray.
@@ -70,6 +74,7 @@ from bench.monitoring import goal_metrics_overhead
 from bench.peers import goal_dcp_peer, goal_ray_train
 from bench.procs import ForeignCpu, wait_for_no_children
 from bench.reform import goal_reform, reform_text
+from bench.search import goal_search, search_text
 from bench.soak import goal_soak
 
 if TYPE_CHECKING:
@@ -685,6 +690,7 @@ _MECHANISM_TEXTS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
     ("ray_train_peer", _ray_train_peer_text),
     ("reform", reform_text),
     ("detectors", detectors_text),
+    ("search", search_text),
     ("dcp_peer", _dcp_peer_text),
     ("metrics_overhead", _metrics_overhead_text),
     ("api_load", _api_load_text),
@@ -826,6 +832,13 @@ def _recovery_goal_rows(cfg: BenchConfig) -> list[_GoalRow]:
             "bitflip and nan found and rolled back exactly; the checks cost <= 2%",
             True,
             lambda env: goal_detectors(env, cfg),
+        ),
+        (
+            "search",
+            "failbench search over the paper matrix: no window where recovery hangs, fails, "
+            "loses data or breaks the oracle (time-bounded)",
+            True,
+            lambda env: goal_search(env, cfg),
         ),
     ]
 

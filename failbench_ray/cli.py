@@ -39,6 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_dispatch(sub)
     _add_report(sub)
     _add_recommend(sub)
+    _add_search(sub)
     _add_list(sub)
     return p
 
@@ -59,6 +60,27 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=30.0,
         help="how long the run's writes retry while the database is unreachable (30)",
     )
+
+
+def _add_search(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    search = sub.add_parser(
+        "search",
+        help="a second failure in every window of a run (each recovery phase, a checkpoint "
+        "write, a replica transfer, a regrow, random steps): where recovery breaks",
+    )
+    search.add_argument("spec", type=Path, help="spec with one failure at a step, YAML or JSON")
+    search.add_argument("--db", help=_DB_HELP)
+    search.add_argument(
+        "--out", type=Path, default=Path("search"), help="where the reproducing specs go"
+    )
+    search.add_argument("--random", type=int, default=3, help="seeded random windows (3)")
+    search.add_argument("--seed", type=int, default=0, help="seed of the random windows (0)")
+    search.add_argument("--kill", default="sigkill", help="kill kind of the second failure")
+    search.add_argument("--time-limit-s", type=float, help="start no trial after this long")
+    search.add_argument("--no-shrink", action="store_true", help="write findings unshrunk")
+    search.add_argument("--only", help="just the windows whose name contains this")
+    search.add_argument("--json", action="store_true", help="print the report JSON on stdout")
+    search.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
 
 
 def _add_sweep(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -186,6 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _recommend(args)
         if args.command == "report":
             return _write_report(args)
+        if args.command == "search":
+            return _search(args)
         return _list(args)
     except FailBenchError as e:  # one tree: each error knows its exit code
         print(f"error: {e}", file=sys.stderr)  # one line, never wrapped
@@ -271,6 +295,59 @@ def _run(args: argparse.Namespace) -> int:
 
 
 _LOST_DB_WAIT_S = 300.0
+
+
+def _search(args: argparse.Namespace) -> int:
+    from failbench_ray import runtime
+    from failbench_ray.search import SearchOptions, run_search
+    from failbench_ray.spec import load_spec
+    from failbench_ray.storage.db import Database
+    from injector.kill_kinds import KILL_KINDS
+
+    if args.random < 0:
+        raise _usage(f"--random {args.random}: give 0 or more random windows")
+    if args.time_limit_s is not None and args.time_limit_s <= 0:
+        raise _usage(f"--time-limit-s {args.time_limit_s:g}: give a positive number of seconds")
+    KILL_KINDS.get(args.kill)  # an unknown kind: one line naming the valid ones
+    spec = load_spec(args.spec)
+    db = Database(args.db)
+    started = runtime.connect(args.ray_address)
+    result_out, sys.stdout = sys.stdout, sys.stderr  # Ray's messages: not the report
+    try:
+        report = run_search(
+            spec,
+            db=db,
+            out_dir=args.out,
+            options=SearchOptions(
+                random_points=args.random,
+                seed=args.seed,
+                kill=args.kill,
+                time_limit_s=args.time_limit_s,
+                shrink=not args.no_shrink,
+                only=args.only,
+            ),
+            say=lambda line: err.print(line, markup=False),
+        )
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+        db.dispose()
+        sys.stdout = result_out
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+        return EXIT_FAILED if report.findings() else EXIT_OK
+    t = Table(title=f"failbench search: {report.architecture} / {report.mechanism}")
+    for col in ("window", "verdict", "detail", "smallest spec"):
+        t.add_column(col)
+    for o in report.outcomes:
+        t.add_row(o.window, o.verdict, o.detail, o.repro or "-")
+    out.print(t)
+    if report.stopped_early:
+        out.print(f"stopped early: {report.stopped_early}")
+    out.print(f"{len(report.findings())} finding(s) in {len(report.outcomes)} window(s)")
+    return EXIT_FAILED if report.findings() else EXIT_OK
 
 
 def _database_lost(db: Any, created: list[str], retry_s: float) -> Exception:

@@ -101,10 +101,20 @@ class PartSpec(_Strict):
         return params
 
 
-# Recovery phases a cascading failure can be triggered by (the kill lands as the phase starts).
-RECOVERY_TRIGGERS: tuple[str, ...] = ("quiescing", "reforming", "restoring", "resuming")
-# A worker-side trigger: in the middle of writing the checkpoint of `at_step`.
+# Recovery phases a cascading failure can be triggered by (the kill lands as the phase starts);
+# `regrowing`: an elastic group taking its replacements back in.
+RECOVERY_TRIGGERS: tuple[str, ...] = (
+    "quiescing",
+    "reforming",
+    "restoring",
+    "resuming",
+    "regrowing",
+)
+# Worker-side triggers, each at `at_step`: in the middle of writing the checkpoint of that
+# step; while the rank serves its in-memory copy of that step to a holder.
 CHECKPOINT_WRITE = "checkpoint_write"
+REPLICA_TRANSFER = "replica_transfer"
+WORKER_TRIGGERS: tuple[str, ...] = (CHECKPOINT_WRITE, REPLICA_TRANSFER)
 
 
 class FailureEvent(_Strict):
@@ -118,7 +128,9 @@ class FailureEvent(_Strict):
     during: str | None = Field(
         None,
         description="Cascading: kill when the recovery from the previous failure enters this "
-        "phase (quiescing, reforming, restoring, resuming).",
+        "phase (quiescing, reforming, restoring, resuming, regrowing); or, with at_step, while "
+        "the victim writes that step's checkpoint (checkpoint_write) or sends its in-memory "
+        "copy of it (replica_transfer).",
     )
     kill: str = Field(
         "sigkill", description="Kill kind (`failbench list` shows them): sigkill, hang, ..."
@@ -146,25 +158,25 @@ class FailureEvent(_Strict):
     def _one_trigger(self) -> FailureEvent:
         if len(set(self.ranks)) != len(self.ranks):
             raise ValueError(f"ranks {self.ranks} repeat a rank; list each rank once")
-        if self.during == CHECKPOINT_WRITE:
+        if self.during in WORKER_TRIGGERS:
             if self.at_step is None or self.at_seconds is not None:
                 raise ValueError(
-                    "during=checkpoint_write needs at_step (the step whose checkpoint is "
-                    "being written) and no at_seconds"
+                    f"during={self.during} needs at_step (the step whose state is being "
+                    "written or sent) and no at_seconds"
                 )
             return self
         triggers = [t for t in (self.at_step, self.at_seconds, self.during) if t is not None]
         if len(triggers) != 1:
             raise ValueError("each failure event needs exactly one of at_step, at_seconds, during")
         if self.during is not None and self.during not in RECOVERY_TRIGGERS:
-            valid = ", ".join((*RECOVERY_TRIGGERS, CHECKPOINT_WRITE))
+            valid = ", ".join((*RECOVERY_TRIGGERS, *WORKER_TRIGGERS))
             raise ValueError(f"during={self.during!r} is not a trigger; valid: {valid}")
         return self
 
     @property
     def trigger(self) -> str:
-        if self.during == CHECKPOINT_WRITE:
-            return f"during=checkpoint_write@{self.at_step}"
+        if self.during in WORKER_TRIGGERS:
+            return f"during={self.during}@{self.at_step}"
         if self.at_step is not None:
             return f"step={self.at_step}"
         if self.at_seconds is not None:
@@ -174,8 +186,8 @@ class FailureEvent(_Strict):
     @property
     def worker_point(self) -> tuple[str, int] | None:
         """(where, step) for a trigger that fires inside a worker, else None."""
-        if self.during == CHECKPOINT_WRITE and self.at_step is not None:
-            return (CHECKPOINT_WRITE, self.at_step)
+        if self.during in WORKER_TRIGGERS and self.at_step is not None:
+            return (self.during, self.at_step)
         if self.at_step is not None:
             return ("step", self.at_step)
         return None

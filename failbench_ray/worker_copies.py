@@ -17,7 +17,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from architectures.base import StateLayout, Trainer
 from failbench_ray.identity import ActorId, RankId
 from failbench_ray.replication import Packed, ReplicaStore, pack
-from failbench_ray.spec import ExperimentSpec
+from failbench_ray.spec import REPLICA_TRANSFER, ExperimentSpec
 from mechanisms.base import Mechanism
 
 _OWN_SNAPSHOTS = 2  # snapshots of its own state a rank keeps (to roll back one interval)
@@ -38,6 +38,7 @@ class HoldsCopies:
     targets: list[Any]  # who pulls this rank's snapshots
     holder_lost: str | None
     _peers: dict[int, Any]
+    _failpoint: Any  # `TakesFaults._failpoint`
 
     @ray.method(concurrency_group="pull")
     def pull(self, shard: int, step: int, source: Any) -> bool:
@@ -62,6 +63,7 @@ class HoldsCopies:
     @ray.method(concurrency_group="serve")
     def snapshot_for(self, step: int) -> Packed:
         """This rank's snapshot of `step` (a holder pulls it, and so owns the copy)."""
+        self._failpoint(REPLICA_TRANSFER, step)  # a failure while the copy is in flight
         return self.snapshots[step]
 
     @ray.method(concurrency_group="serve")

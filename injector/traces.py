@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from failbench_ray.errors import SpecError
 from failbench_ray.registry import Registry
-from failbench_ray.spec import CHECKPOINT_WRITE, FailureTrace
+from failbench_ray.spec import WORKER_TRIGGERS, FailureTrace
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ def _check_none(trace: FailureTrace) -> None:
 
 def _first_is_scheduled(trace: FailureTrace, what: str) -> None:
     first = trace.events[0]
-    if first.during is not None and first.during != CHECKPOINT_WRITE:
+    if first.during is not None and first.during not in WORKER_TRIGGERS:
         raise SpecError(
             f"failures: the first {what} event needs at_step or at_seconds; "
             f"`during` only triggers a later event of a cascading trace"
@@ -63,10 +63,12 @@ def _check_cascading(trace: FailureTrace) -> None:
         )
     _first_is_scheduled(trace, "cascading")
     for i, e in enumerate(trace.events[1:], start=1):
-        if e.during is None or e.during == CHECKPOINT_WRITE:
+        if e.at_seconds is not None:
             raise SpecError(
                 f"failures.events[{i}] of a cascading trace needs `during` (quiescing, reforming, "
-                "restoring or resuming): it fires while recovering from the previous failure"
+                "restoring, resuming, regrowing: it fires while recovering from the previous "
+                "failure) or at_step (a later step, a checkpoint_write or replica_transfer), "
+                "not at_seconds"
             )
         still_dead = set(e.ranks) & set(trace.events[i - 1].ranks)
         if e.during in _BEFORE_REPLACEMENT and still_dead:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from architectures.base import StateLayout, Trainer
 from failbench_ray.records import CheckpointEvent
 from failbench_ray.replication import Packed, pack
+from failbench_ray.spec import CHECKPOINT_WRITE
 from mechanisms import MECHANISMS
 from mechanisms import checkpoint_io as io
 from mechanisms.base import (
@@ -94,6 +95,7 @@ class AsyncCkptHooks(Hooks):
 @MECHANISMS.register("async_ckpt")
 class AsyncCkpt(Mechanism):
     name = "async_ckpt"
+    windows = (CHECKPOINT_WRITE,)
     summary = "snapshot in memory every K steps, persist in the background (CheckFreq)"
     Params = AsyncCkptParams
     hooks_cls = AsyncCkptHooks

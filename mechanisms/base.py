@@ -254,6 +254,10 @@ class Mechanism(ABC):
     spare_actors: int = 0
     rebalances_data: ClassVar[bool] = False  # survivors split the dead ranks' data (elastic)
     saves_on_notice: ClassVar[bool] = False  # its hooks' `save_now` saves (a preemption notice)
+    # Windows of its own a second failure can strike in (`failbench search`), beyond the
+    # recovery phases every mechanism has: `spec.WORKER_TRIGGERS` its hooks pass through every
+    # `params.interval` steps, or a phase of its own (`regrowing`).
+    windows: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, spec: ExperimentSpec, params: BaseModel) -> None:
         self.spec = spec

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from architectures.base import StateLayout, Trainer
 from failbench_ray.records import CheckpointEvent
+from failbench_ray.spec import CHECKPOINT_WRITE
 from mechanisms import MECHANISMS
 from mechanisms import checkpoint_io as io
 from mechanisms.base import FailureContext, Hooks, Mechanism, RecoveryPlan
@@ -42,6 +43,7 @@ class DiskCkptHooks(Hooks):
 @MECHANISMS.register("disk_ckpt")
 class DiskCkpt(Mechanism):
     name = "disk_ckpt"
+    windows = (CHECKPOINT_WRITE,)
     summary = "synchronous checkpoint to disk every K steps (temp file, fsync, rename)"
     Params = DiskCkptParams
     hooks_cls = DiskCkptHooks

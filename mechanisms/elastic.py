@@ -19,6 +19,7 @@ from mechanisms.base import (
 @MECHANISMS.register("elastic")
 class Elastic(Mechanism):
     name = "elastic"
+    windows = ("regrowing",)
     summary = "go on with the survivors (data re-balanced), grow back when replacements are up"
     needs_survivor = True
     rebalances_data = True

@@ -13,7 +13,7 @@ from architectures.base import StateLayout, Trainer
 from failbench_ray.identity import ActorId, SpareId
 from failbench_ray.records import CheckpointEvent
 from failbench_ray.replication import truncate_copies
-from failbench_ray.spec import ExperimentSpec
+from failbench_ray.spec import REPLICA_TRANSFER, ExperimentSpec
 from mechanisms import MECHANISMS
 from mechanisms.base import (
     FailureContext,
@@ -50,6 +50,7 @@ class HotSpareHooks(Hooks):
 @MECHANISMS.register("hot_spare")
 class HotSpare(Mechanism):
     name = "hot_spare"
+    windows = (REPLICA_TRANSFER,)
     summary = "pre-started standby actors mirror the state and take a dead rank's place at once"
     Params = HotSpareParams
     hooks_cls = HotSpareHooks

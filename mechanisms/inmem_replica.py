@@ -14,7 +14,7 @@ from architectures.base import Architecture, StateLayout, Trainer
 from failbench_ray.identity import ActorId, HolderId, RankId
 from failbench_ray.records import CheckpointEvent
 from failbench_ray.replication import ReplicaHolderActor, truncate_copies
-from failbench_ray.spec import ExperimentSpec
+from failbench_ray.spec import REPLICA_TRANSFER, ExperimentSpec
 from mechanisms import MECHANISMS
 from mechanisms import checkpoint_io as io
 from mechanisms.base import (
@@ -75,6 +75,7 @@ class InmemReplicaHooks(Hooks):
 @MECHANISMS.register("inmem_replica")
 class InmemReplica(Mechanism):
     name = "inmem_replica"
+    windows = (REPLICA_TRANSFER,)
     summary = "copies of each shard in other processes' memory via the Ray object store (Gemini)"
     Params = InmemReplicaParams
     hooks_cls = InmemReplicaHooks

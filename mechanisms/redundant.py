@@ -10,6 +10,7 @@ import time
 from architectures.base import Architecture, StateLayout, Trainer
 from failbench_ray.identity import ActorId, RankId
 from failbench_ray.records import CheckpointEvent
+from failbench_ray.spec import REPLICA_TRANSFER
 from mechanisms import MECHANISMS
 from mechanisms.base import (
     FailureContext,
@@ -41,6 +42,7 @@ def ring_next(rank: int, members: tuple[int, ...]) -> int:
 @MECHANISMS.register("redundant")
 class Redundant(Mechanism):
     name = "redundant"
+    windows = (REPLICA_TRANSFER,)
     summary = "each rank shadows its ring neighbour's state every step; it takes over (Bamboo)"
     hooks_cls = RedundantHooks
     needs_survivor = True

@@ -304,14 +304,14 @@ BAD_SPECS: dict[str, tuple[Any, list[str]]] = {
         {"failures": {"kind": "concurrent", "ranks": [1], "at_step": 5}},
         ["failures.kind=concurrent", "at least 2 ranks"],
     ),
-    "cascading_later_event_without_during": (
+    "cascading_later_event_at_a_time": (
         {
             "failures": {
                 "kind": "cascading",
-                "events": [{"rank": 1, "at_step": 5}, {"rank": 2, "at_step": 7}],
+                "events": [{"rank": 1, "at_step": 5}, {"rank": 2, "at_seconds": 7}],
             }
         },
-        ["failures.events[1]", "needs `during`", "restoring"],
+        ["failures.events[1]", "needs `during`", "restoring", "not at_seconds"],
     ),
     "cascading_single_event": (
         {"failures": {"kind": "cascading", "events": [{"rank": 1, "at_step": 5}]}},

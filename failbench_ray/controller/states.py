@@ -36,7 +36,7 @@ from mechanisms.base import RecoveryPlan, RestoreInstruction
 
 log = logging.getLogger("failbench.controller")
 _POLL_S = 0.5  # how often training checks for a stop, progress, spares and regrowth
-_BEAT_S = 0.2  # how often training pings the ranks (the heartbeat) and reads notices
+_BEAT_S = 0.1  # how often training pings the ranks (the heartbeat) and reads notices
 
 
 class TrialState(ABC):
@@ -301,6 +301,7 @@ class Regrowing(TrialState):
     name = "regrowing"
 
     def run(self, t: Trial) -> TrialState:
+        t.phase("regrowing")
         group = t.workers
         for h in group.handles.values():
             h.abort.remote()
