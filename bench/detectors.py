@@ -72,11 +72,14 @@ def _latencies(env: Env, kind: str, trials: int) -> dict[str, Any]:
 
 def _check_cost(env: Env, pairs: int) -> dict[str, Any]:
     """Mean steady step time with the corruption checks on (defaults) over off, pair by pair
-    (alternating, so the machine's drift hits both alike)."""
+    (alternating, so the machine's drift hits both alike; the order flips from pair to pair,
+    on-off then off-on: with on always first, the second run was the faster in every pair, so
+    a run's place in the pair may matter as much as the checks)."""
     ratios, on_s, off_s = [], [], []
     for i in range(pairs):
         times = {}
-        for label, detectors in (("on", {}), ("off", CHECKS_OFF)):
+        order: tuple[tuple[str, dict[str, Any]], ...] = (("on", {}), ("off", CHECKS_OFF))
+        for label, detectors in order if i % 2 == 0 else order[::-1]:
             spec = ddp_spec(f"bench-check-{label}-{i}", "none", steps=200, detectors=detectors)
             result, _ = run_spec(env, spec)
             times[label] = result.trials[0].mean_step_time_s

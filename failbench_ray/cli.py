@@ -78,7 +78,9 @@ def _add_search(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     search.add_argument("--kill", default="sigkill", help="kill kind of the second failure")
     search.add_argument("--time-limit-s", type=float, help="start no trial after this long")
     search.add_argument("--no-shrink", action="store_true", help="write findings unshrunk")
-    search.add_argument("--only", help="just the windows whose name contains this")
+    search.add_argument(
+        "--only", default="", help="just the windows whose name contains one of these (a,b)"
+    )
     search.add_argument("--json", action="store_true", help="print the report JSON on stdout")
     search.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
 
@@ -324,7 +326,7 @@ def _search(args: argparse.Namespace) -> int:
                 kill=args.kill,
                 time_limit_s=args.time_limit_s,
                 shrink=not args.no_shrink,
-                only=args.only,
+                only=tuple(part for part in args.only.split(",") if part),
             ),
             say=lambda line: err.print(line, markup=False),
         )

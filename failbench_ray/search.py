@@ -152,10 +152,12 @@ def with_second(spec: ExperimentSpec, window: Window, label: str) -> dict[str, A
 
 
 def judge(
-    result: ExperimentResult, skipped_alone: int, expect_failures: int = 2
+    result: ExperimentResult, skipped_alone: int | None, expect_failures: int = 2
 ) -> tuple[str, str]:
     """(verdict, detail) of one searched trial. `skipped_alone`: the samples the first
-    failure alone skips (the probe's), which a second failure must not add to."""
+    failure alone skips (the probe's), which a second failure must not add to; None where
+    skipping is by design (an architecture that trains on without a dead rank skips its
+    share for as long as it is gone)."""
     trial = result.trials[0] if result.trials else None
     if trial is None:
         return "recovery failed", f"the experiment {result.status} before its trial ran"
@@ -172,7 +174,7 @@ def judge(
         )
         return "broke the oracle", f"the final parameters differ from the no-fault run ({steps})"
     skipped = int((trial.model_extra or {}).get("samples_skipped") or 0)
-    if skipped > skipped_alone:
+    if skipped_alone is not None and skipped > skipped_alone:
         return (
             "lost data",
             f"{skipped} samples never trained, {skipped_alone} with the first failure alone",
@@ -231,7 +233,7 @@ class SearchOptions:
     time_limit_s: float | None = None  # start no trial after this long
     trial_limit_s: float = 600.0  # a trial running longer is stopped and judged hung
     shrink: bool = True
-    only: str | None = None  # just the windows whose name contains this
+    only: tuple[str, ...] = ()  # just the windows whose name contains one of these
 
 
 def run_search(
@@ -259,11 +261,13 @@ def run_search(
     probe_data["name"] = f"{label}: the first failure alone"
     probe, _ = runner.run(probe_data, None)
     report.probe_experiment = probe.experiment_id
-    verdict, detail = judge(probe, skipped_alone=10**12, expect_failures=1)
+    verdict, detail = judge(probe, skipped_alone=None, expect_failures=1)
     if verdict != OK:
         report.stopped_early = f"the spec's own failure already ends {verdict}: {detail}"
         return report
-    skipped_alone = int((probe.trials[0].model_extra or {}).get("samples_skipped") or 0)
+    skipped_alone: int | None = int((probe.trials[0].model_extra or {}).get("samples_skipped") or 0)
+    if arch.continues_without_dead():  # a dead rank's share is skipped while it is gone
+        skipped_alone = None
     layout = arch.layout()
     found = windows(
         spec,
@@ -274,7 +278,7 @@ def run_search(
         o.seed,
         o.kill,
     )
-    found = [w for w in found if o.only is None or o.only in w.name]
+    found = [w for w in found if not o.only or any(part in w.name for part in o.only)]
     for window in found:
         if o.time_limit_s is not None and time.monotonic() - t0 > o.time_limit_s:
             left = len(found) - len(report.outcomes)
@@ -331,7 +335,9 @@ class _Trials:
             )  # fmt: skip
         return result, time.monotonic() - started
 
-    def smallest(self, data: dict[str, Any], verdict: str, skipped_alone: int) -> dict[str, Any]:
+    def smallest(
+        self, data: dict[str, Any], verdict: str, skipped_alone: int | None
+    ) -> dict[str, Any]:
         """The smallest of `smaller(data)` that still ends `verdict`, else `data` itself."""
         for candidate in smaller(data):
             n = len(candidate["failures"].get("events", [None]))

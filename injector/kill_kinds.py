@@ -120,6 +120,11 @@ class KillKind:
     # Seconds until the fault ends by itself (None: it lasts): the victim is slow meanwhile.
     lasts_s: Callable[[Any], float] | None = None
 
+    @property
+    def leaves_alive(self) -> bool:
+        """The victim trains on (corrupt, or slow) until a detector finds it, if one does."""
+        return self.corrupts or self.lasts_s is not None
+
 
 def _kill_pids(pids: list[int], sig: int = signal.SIGKILL) -> None:
     for pid in pids:

@@ -206,7 +206,15 @@ class Quiescing(TrialState):
         survivors = list(t.survivor_steps.values())
         if survivors:
             t.committed, t.furthest = min(survivors), max(survivors)
-        if got.dead - t.dead:
+        # A failure that struck a rank this quiesce killed anyway (kill_survivors) is no new
+        # death, but it struck: it is recorded too.
+        struck = [
+            inj
+            for inj in t.chaos.injections()
+            if inj.index not in t.timeline.seen_injections
+            and not KILL_KINDS.get(inj.kill_kind).leaves_alive
+        ]
+        if got.dead - t.dead or struck:
             t.detected(got.dead - t.dead)
         t.timeline.quiesced(now, t.committed)
         return Reforming()

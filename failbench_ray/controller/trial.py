@@ -286,6 +286,7 @@ class Trial:
             try:
                 records, checkpoints = ray.get(self.workers.handles[r].drain.remote(), timeout=5)
             except (RayActorError, GetTimeoutError):
+                self._recover_records({r})  # died first (a failure during quiescing): its log
                 continue
             self.outcome.records += records
             self.outcome.checkpoints += checkpoints
