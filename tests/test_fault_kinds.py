@@ -139,13 +139,15 @@ def test_a_straggler_runs_its_process_at_one_over_factor_of_the_time() -> None:
         cycle.start()
         states = set()
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and states != {"T", "S"}:
+        while time.monotonic() < deadline and not {"T", "S"} <= states:
             states.add(_proc_state(proc.pid))
             time.sleep(0.003)
         stop.set()
         cycle.join(5)
-        assert states == {"T", "S"}  # stopped 3/4 of each cycle, sleeping (running) the rest
-        assert _proc_state(proc.pid) == "S"  # resumed when the cycle ended early
+        # Stopped 3/4 of each cycle; the rest it sleeps as `sleep` does (or, just resumed, is
+        # briefly runnable: R).
+        assert {"T", "S"} <= states <= {"T", "S", "R"}
+        assert not cycle.is_alive() and _proc_state(proc.pid) in ("S", "R")  # resumed
     finally:
         proc.kill()
         proc.wait()
