@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis.errors import FlakyStrategyDefinition
 from schemathesis import checks
 from schemathesis.config import SchemathesisConfig
@@ -206,12 +206,13 @@ def test_sequences_that_follow_the_links_break_nothing(server: Server, doc: dict
         return {op for (op, _, linked) in calls if linked}
 
     # Until every link was followed (a sweep's body passes the server's cross-field checks
-    # less often than an experiment's), within a bound.
-    for _ in range(4):
+    # less often than an experiment's), within a bound. Each run has a seed of its own: under
+    # CI, Hypothesis derandomizes, and unseeded runs would each replay the same scenarios.
+    for attempt in range(6):
         # The server keeps state, so a scenario Hypothesis replays may meet other answers;
         # schemathesis' own runner ends its stateful phase there too. A new run goes on.
         with contextlib.suppress(FlakyStrategyDefinition):
-            Workflow.run(settings=STATEFUL)
+            seed(attempt)(Workflow).run(settings=STATEFUL)
         if scenarios[0] >= STATEFUL.max_examples and followed() == LINKED:
             break
     assert not failed, failed[0]
