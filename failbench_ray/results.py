@@ -313,24 +313,26 @@ def sample_accounting(
     execution of its step did not train on (a rank gone and its share not re-balanced);
     `samples_duplicated`: samples the final execution trained on more than once.
 
-    `whole_batch` (`Architecture.commits_whole_batch`): a rolled-back execution that any rank
-    completed trained the whole batch, also the shares of ranks that died before recording it
-    (a parameter server publishes a step and dies before its workers pull it); the final
-    execution's batch stands in for what those records would have said.
+    `whole_batch` (`Architecture.commits_whole_batch`): an execution that any rank completed
+    waited for every member of its generation, so it also trained the shares of members that
+    died before recording it (a parameter server publishes a step and dies before its workers
+    pull it; a worker dies in its after-step hook, the step already applied). A member's share
+    is what it recorded for its other steps of that generation.
     """
     final_gen: dict[int, int] = {}
+    trained: dict[tuple[int, int], int] = defaultdict(int)  # (step, generation) -> samples
+    ran: dict[tuple[int, int], set[int]] = defaultdict(set)  # (step, generation) -> ranks
+    share: dict[int, dict[int, int]] = defaultdict(dict)  # generation -> rank -> samples
     for r in records:
         final_gen[r.step] = max(final_gen.get(r.step, r.generation), r.generation)
-    consumed: dict[int, int] = defaultdict(int)
-    rolled_back: dict[tuple[int, int], int] = defaultdict(int)
-    for r in records:
-        if r.generation == final_gen[r.step]:
-            consumed[r.step] += r.samples
-        else:
-            rolled_back[r.step, r.generation] += r.samples
-    replayed = sum(
-        max(n, consumed[step]) if whole_batch else n for (step, _), n in rolled_back.items()
-    )
+        trained[r.step, r.generation] += r.samples
+        ran[r.step, r.generation].add(r.rank)
+        share[r.generation][r.rank] = r.samples
+    if whole_batch:
+        for (step, gen), ranks in ran.items():
+            trained[step, gen] += sum(n for rank, n in share[gen].items() if rank not in ranks)
+    consumed = {step: trained[step, gen] for step, gen in final_gen.items()}
+    replayed = sum(n for (step, gen), n in trained.items() if gen != final_gen[step])
     return {
         "samples_replayed": replayed,
         "samples_skipped": sum(max(0, batch_size - n) for n in consumed.values()),

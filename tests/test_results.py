@@ -323,3 +323,15 @@ def test_going_on_without_a_rank_skips_its_share() -> None:
     records = [*shares(0, 1, [0, 1, 2]), *shares(1, 2, [0, 1])]
     got = sample_accounting(records, 15)
     assert got == {"samples_replayed": 0, "samples_skipped": 5, "samples_duplicated": 0}
+
+
+def test_a_worker_that_died_after_its_step_was_applied_trained_its_share() -> None:
+    """Found by `failbench search` (ps/redundant, a kill during the replica transfer of step
+    2): worker 3 pushed, the server applied step 2, and worker 3 died in its after-step hook
+    before recording it; the survivors went on without a rollback."""
+    records = [*shares(0, 1, [0], 0), *shares(0, 1, [1, 2, 3]), *shares(0, 2, [0], 0)]
+    records += [*shares(0, 2, [1, 2]), *shares(1, 3, [0], 0), *shares(1, 3, [1, 2, 3])]
+    got = sample_accounting(records, 15)
+    assert got == {"samples_replayed": 0, "samples_skipped": 0, "samples_duplicated": 0}
+    # where each rank updates on its own, the share it never recorded counts as skipped
+    assert sample_accounting(records, 15, whole_batch=False)["samples_skipped"] == 5
