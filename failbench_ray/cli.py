@@ -170,7 +170,15 @@ def _add_recommend(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     rec.add_argument("--world", type=int, required=True, help="workers (ranks)")
     rates = rec.add_mutually_exclusive_group(required=True)
     rates.add_argument("--mtbf-hours", type=float, help="one worker's mean time between failures")
-    rates.add_argument("--preset", help="published failure statistics: llama3, kokolis-1k, ...")
+    rates.add_argument(
+        "--preset", help="published failure statistics: llama3, kokolis (by job size), ..."
+    )
+    rec.add_argument(
+        "--repair-hours",
+        type=float,
+        default=4.0,
+        help="hours until a failed machine is back; sizes the spares (default 4)",
+    )
     rec.add_argument("--step-s", type=float, default=1.0, help="time of one training step, s")
     rec.add_argument("--job-days", type=float, default=30.0, help="failure-free job length")
     rec.add_argument(
@@ -690,6 +698,7 @@ def _recommend(args: argparse.Namespace) -> int:
             step_s=args.step_s,
             job_days=args.job_days,
             correlated=args.correlated,
+            repair_hours=args.repair_hours,
         )
     except ValidationError as e:
         raise _usage(
@@ -710,9 +719,20 @@ def _recommend(args: argparse.Namespace) -> int:
     )
     if answer["preset"]:
         out.print(f"failure rate: {answer['preset']}")
+    pol = answer["policy"]
+    if pol:
+        every = pol["checkpoint_interval_s"]
+        band = pol["ettr_interval95"]
+        out.print(
+            f"policy: {pol['mechanism']}"
+            + (f", a checkpoint every {every:.3g} s" if every else "")
+            + f", {pol['spares']} spare(s), hang timeout {pol['hang_timeout_s']:.3g} s; "
+            f"ETTR {100 * pol['ettr']:.1f}%"
+            + (f" (one job: {100 * band[0]:.1f}-{100 * band[1]:.1f}%, 95%)" if band else "")
+        )
     for i, r in enumerate(answer["ranking"], 1):
         sim = r["simulated"]
-        checked = f" (simulated {100 * sim['ratio']:.1f}%)" if sim else ""
+        checked = f" (simulated {100 * sim['ettr']:.1f}%)" if sim else ""
         if sim and sim.get("cut_short"):
             checked += f" [{sim['cut_short']}/{sim['runs']} simulated runs cut short]"
         out.print(f"{i}. {r['mechanism']:<14} {r['why']}{checked}")

@@ -254,6 +254,9 @@ class SimSummary:
     runs: int
     cut_short: int  # runs stopped after their failure or step budget, before the job was done
     out_of_steps: int = 0  # of those, the ones stopped by the step budget
+    # where one job's own ratio falls: the 2.5th and 97.5th percentiles of the runs' ratios
+    job_low: float = 0.0
+    job_high: float = 0.0
 
 
 # Failures all the runs of one `simulate_many` play at most, shared out among them: what one
@@ -279,7 +282,19 @@ def summarize(
     boot = sorted(ratio([rng.choice(pairs) for _ in pairs]) for _ in range(200))
     cut = sum(not r.finished for r in got)
     out = sum(r.out_of_steps for r in got)
-    return SimSummary(ratio(pairs), (boot[194] - boot[4]) / 2, runs, cut, out)
+    each_ratio = sorted(r.ratio for r in got)
+    low, high = _percentile(each_ratio, 2.5), _percentile(each_ratio, 97.5)
+    return SimSummary(ratio(pairs), (boot[194] - boot[4]) / 2, runs, cut, out, low, high)
+
+
+def _percentile(ordered: list[float], pct: float) -> float:
+    """Linear interpolation between the closest ranks of an ordered sample."""
+    if not ordered:
+        return math.nan
+    x = (len(ordered) - 1) * pct / 100
+    lo = math.floor(x)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (x - lo)
 
 
 def simulate_many(

@@ -298,7 +298,7 @@ def test_recommend_answers_like_the_cli_and_refuses_bad_questions(api: httpx.Cli
     r = api.get("/v1/recommend", params={**q, "simulate_runs": 2})
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["ranking"][0]["expected_ratio"] >= body["ranking"][-1]["expected_ratio"]
+    assert body["ranking"][0]["ettr"] >= body["ranking"][-1]["ettr"]
     assert body["question"]["world"] == 64
     for bad, says in [
         ({**q, "world": 1}, "--world must be at least 2"),

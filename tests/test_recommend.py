@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from failbench_ray import reliability as rel
 from failbench_ray.errors import UsageError
-from failbench_ray.recommend import PRESETS, Question, measured_costs, recommend
+from failbench_ray.recommend import PRESETS, Question, measured_costs, recommend, spares_needed
 from failbench_ray.results import ExperimentResult
 from failbench_ray.simulator import Failures, simulate, simulate_many
 
@@ -80,7 +80,7 @@ def test_simulator_covers_what_the_formula_cannot() -> None:
 
 
 def test_simulator_scales_to_131072_workers() -> None:
-    job_mtbf = PRESETS["llama3"].worker_mtbf_hours * HOUR / 131_072
+    job_mtbf = PRESETS["llama3"].job_mtbf_hours(131_072) * HOUR
     r = simulate(DISK, Failures(job_mtbf), MONTH, world=131_072)
     assert r.failures > 1000 and 0 < r.ratio < 1
 
@@ -89,16 +89,16 @@ def test_simulator_scales_to_131072_workers() -> None:
 def test_recommend_ranks_mechanisms_and_says_why() -> None:
     answer = recommend(Question(architecture="ddp", state_gb=100, world=16384, preset="llama3"))
     ranking = answer["ranking"]
-    ratios = [r["expected_ratio"] for r in ranking]
+    ratios = [r["ettr"] for r in ranking]
     assert ratios == sorted(ratios, reverse=True)
     names = [r["mechanism"] for r in ranking]
     # with a failure every 3 h, no checkpoint at all never finishes a month-long job
-    assert names[-1] == "none" and ranking[-1]["expected_ratio"] < 0.01
+    assert names[-1] == "none" and ranking[-1]["ettr"] < 0.01
     assert names.index("async_ckpt") < names.index("disk_ckpt")
     for r in ranking:
-        assert r["why"].startswith(f"{100 * r['expected_ratio']:.1f}% useful")
+        assert r["why"].startswith(f"{100 * r['ettr']:.1f}% useful")
         if r["simulated"]:
-            assert abs(r["simulated"]["ratio"] - r["expected_ratio"]) < 0.02
+            assert abs(r["simulated"]["ettr"] - r["ettr"]) < 0.02
     assert abs(answer["job_mtbf_hours"] - 54 * 24 / 419) < 0.01
     assert "Llama 3" in answer["preset"]
 
@@ -230,12 +230,12 @@ def test_a_question_whose_failures_outrun_every_recovery_ends_and_says_so() -> N
     answer = recommend(Question(architecture="ddp", state_gb=1, world=8, mtbf_hours=0.001))
     sims = [r["simulated"] for r in answer["ranking"] if r["simulated"]]
     assert sims and all(s["cut_short"] == s["runs"] == 20 for s in sims), sims
-    assert all("before the job was done" in s["note"] and 0 <= s["ratio"] < 1 for s in sims)
+    assert all("before the job was done" in s["note"] and 0 <= s["ettr"] < 1 for s in sims)
     # the largest question allowed is bounded too, formulas included (exp() overflowed)
     worst = Question(
         architecture="ddp", state_gb=1e6, world=1_048_576, mtbf_hours=1e-3, simulate_runs=200
     )
-    assert all(r["expected_ratio"] == 0.0 for r in recommend(worst)["ranking"])
+    assert all(r["ettr"] == 0.0 for r in recommend(worst)["ranking"])
 
 
 def test_a_short_run_of_the_simulator_is_cut_short_not_endless() -> None:
@@ -263,7 +263,7 @@ def test_a_job_of_many_saves_and_few_failures_is_bounded_and_says_so() -> None:
         simulate_runs=200,
     )  # fmt: skip
     sims = [r["simulated"] for r in recommend(q)["ranking"] if r["simulated"]]
-    assert sims and all(0 <= s["ratio"] <= 1 for s in sims)
+    assert sims and all(0 <= s["ettr"] <= 1 for s in sims)
     cut = [s for s in sims if s["cut_short"]]
     assert all("before the job was done" in s["note"] for s in cut)
 
@@ -285,3 +285,20 @@ def test_every_number_that_sizes_the_work_is_bounded(field: str, value: float) -
     base = {"architecture": "ddp", "state_gb": 1, "world": 8, "mtbf_hours": 1.0}
     with pytest.raises(ValidationError):
         Question(**{**base, field: value})
+
+
+def test_recommend_answers_with_a_policy_for_its_first_choice() -> None:
+    """Issue 20, item 5: the mechanism, its checkpoint interval, the spares, the hang timeout
+    and the ETTR to expect with the range one job's falls in."""
+    q = Question(architecture="tensor", state_gb=400, world=1024, mtbf_hours=2000)
+    answer = recommend(q)
+    pol, first = answer["policy"], answer["ranking"][0]
+    assert pol["mechanism"] == first["mechanism"] and pol["ettr"] == first["ettr"]
+    assert pol["checkpoint_interval_s"] == first["interval_s"]
+    low, high = pol["ettr_interval95"]
+    assert low <= first["simulated"]["ettr"] <= high
+    assert abs(pol["ettr"] - first["simulated"]["ettr"]) < 0.02
+    # 1024 / 2000 = 0.51 failures an hour, 2.05 in a 4 h repair window: 99% need 6 spares
+    assert pol["spares"] == 6
+    assert pol["hang_timeout_s"] >= 1.5 and "spare(s) cover 99%" in pol["why"]
+    assert spares_needed(0.0, 4, 0.99) == 0 and spares_needed(1.0, 1.0, 0.5) == 1
