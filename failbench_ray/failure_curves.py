@@ -19,6 +19,8 @@ import math
 import random
 from dataclasses import dataclass
 
+from failbench_ray import markdown
+
 GPUS_PER_NODE = 8
 HOUR_S = 3600.0
 
@@ -127,26 +129,26 @@ def simulated_mttf_hours(curve: FailureCurve, gpus: int, failures: int, seed: in
     return horizon_s / HOUR_S / max(1, len(got))
 
 
-def section(failures: int = 4000, seed: int = 0) -> list[str]:
-    """The report's table: published job MTTF against the curves and the simulator."""
-    rows = []
+def section(failures: int = 20_000, seed: int = 0) -> tuple[list[str], list[str], list[list[str]]]:
+    """The report's section: published job MTTF against the curves and the simulator; its
+    markdown lines, and the table's head and body (for HTML)."""
+    head = ["curve", "GPUs", "published", "published MTTF h", "curve MTTF h", "simulated MTTF h"]
+    body = []
     for p in (*KOKOLIS_POINTS, KOKOLIS_PROJECTION, LLAMA3_POINT):
         curve = CURVES[p.curve]
         sim = simulated_mttf_hours(curve, p.gpus, failures, seed)
-        rows.append(
-            f"| {p.curve} | {p.gpus:,} | {p.what} | {p.mttf_hours:.3g} | "
-            f"{curve.mttf_hours(p.gpus):.3g} | {sim:.3g} |"
-        )
-    return [
+        body.append(
+            [p.curve, f"{p.gpus:,}", p.what, f"{p.mttf_hours:.3g}",
+             f"{curve.mttf_hours(p.gpus):.3g}", f"{sim:.3g}"]
+        )  # fmt: skip
+    md = [
         "## Failure curves",
         "Job MTTF (hours) against job size: what the papers state, the curve the simulator "
         f"plays (`failbench_ray/failure_curves.py`), and the simulator over {failures:,} drawn "
         "failures. The 131,072-GPU row is a projection: Kokolis et al.'s and this curve's.",
         "",
-        "| curve | GPUs | published | published MTTF h | curve MTTF h | simulated MTTF h |",
-        "|---|---:|---|---:|---:|---:|",
-        *rows,
-        "",
+        *markdown.table(head, body),
         *[f"- {c.name}: {c.source}." for c in CURVES.values()],
         "",
     ]
+    return md, head, body

@@ -19,8 +19,16 @@ from typing import Any
 
 from sqlalchemy import select
 
+from failbench_ray import (
+    failure_curves,
+    kinds_report,
+    markdown,
+    paper_section,
+    reform_report,
+    results,
+    stats,
+)
 from failbench_ray import findings as findings_mod
-from failbench_ray import kinds_report, markdown, paper_section, reform_report, results, stats
 from failbench_ray.errors import SweepNotFound
 from failbench_ray.records import PHASES, StepRecord
 from failbench_ray.results import ExperimentResult
@@ -484,6 +492,7 @@ def write(db: Database, out: Path, sweep_id: str | None = None) -> dict[str, Any
     kinds_md, kinds_head, kinds_body = kinds_report.section(
         (c.mechanism, c.result) for c in ran if c.result is not None
     )
+    curves_md, curves_head, curves_body = failure_curves.section()
     md = [
         f"# FailBench-Ray report: sweep {sweep.name} ({sweep.id})",
         "",
@@ -505,6 +514,7 @@ def write(db: Database, out: Path, sweep_id: str | None = None) -> dict[str, Any
         "",
         *markdown.table(parts_head, parts_body),
         *kinds_md,
+        *curves_md,
         "## Not applicable",
         *[f"- {c.name}: {c.reason}" for c in skipped],
         "",
@@ -518,6 +528,7 @@ def write(db: Database, out: Path, sweep_id: str | None = None) -> dict[str, Any
         ("Cells", head, body),
         ("Re-formation", parts_head, parts_body),
         ("Fault kinds", kinds_head, kinds_body),
+        ("Failure curves", curves_head, curves_body),
     ]
     figures = [*vs.figures, *figures]
     (out / "report.html").write_text(_html(sweep, found, tables, skipped, figures, vs.notes))

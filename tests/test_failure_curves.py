@@ -48,7 +48,7 @@ def test_a_job_fails_from_its_nodes_and_from_what_does_not_scale_with_it() -> No
 
 
 def test_the_report_section_shows_the_projection() -> None:
-    text = "\n".join(fc.section(failures=2000))
+    text = "\n".join(fc.section(failures=2000)[0])
     assert "| kokolis | 131,072 | projected job MTTF at 131,072 GPUs | 0.23 | 0.266 |" in text
     assert "| llama3 | 16,384 | 419 unexpected interruptions in 54 days | 3.09 | 3.09 |" in text
 

@@ -93,6 +93,7 @@ def test_report_tables_match_the_database_and_figures_are_images(tmp_path: Path)
     )
     # the paper's claims: none can be judged on a few KB of state, and each says why
     assert "## Paper vs this run" in md and "| claim | the paper | this run" in md
+    assert "## Failure curves" in md and "| kokolis | 131,072 | projected job MTTF" in md
     claims = {c["text"].split(" (")[0]: c for c in written["paper"]}
     assert [c["claim"] for c in written["paper"]] == [1, 1, 1, 1, 2, 3]
     assert {c["verdict"] for c in written["paper"]} == {"not comparable"}
