@@ -40,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_report(sub)
     _add_recommend(sub)
     _add_search(sub)
+    _add_validate(sub)
     _add_list(sub)
     return p
 
@@ -83,6 +84,34 @@ def _add_search(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     search.add_argument("--json", action="store_true", help="print the report JSON on stdout")
     search.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
+
+
+def _add_validate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    val = sub.add_parser(
+        "validate",
+        help="measured ETTR under Poisson failures against what the model and the simulator "
+        "predict from costs fitted on separate calibration runs",
+    )
+    val.add_argument("spec", type=Path, help="the job: an experiment spec, YAML or JSON")
+    val.add_argument("--mtbf-s", type=float, required=True, help="mean seconds between failures")
+    val.add_argument(
+        "--duration-s", type=float, required=True, help="seconds of failure-free work per mechanism"
+    )
+    val.add_argument("--mechanisms", default="", help="a,b (default: every one that applies)")
+    val.add_argument("--seed", type=int, default=0, help="seed of the failure draws (0)")
+    val.add_argument(
+        "--mix", default="sigkill=1", help="kill kinds and their weights (sigkill=0.8,hang=0.2)"
+    )
+    val.add_argument(
+        "--calibration-steps", type=int, default=40, help="steps of each calibration run (40)"
+    )
+    val.add_argument("--sim-runs", type=int, default=200, help="seeded simulator runs (200)")
+    val.add_argument("--db", help=_DB_HELP)
+    val.add_argument(
+        "--out", type=Path, default=Path("validate"), help="validation.md, .png, .json go here"
+    )
+    val.add_argument("--json", action="store_true", help="print the report JSON on stdout")
+    val.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
 
 
 def _add_sweep(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -216,6 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _service(args)
         if args.command == "recommend":
             return _recommend(args)
+        if args.command == "validate":
+            return _validate(args)
         if args.command == "report":
             return _write_report(args)
         if args.command == "search":
@@ -305,6 +336,58 @@ def _run(args: argparse.Namespace) -> int:
 
 
 _LOST_DB_WAIT_S = 300.0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from failbench_ray import runtime, validate
+    from failbench_ray.runner import run_experiment
+    from failbench_ray.spec import load_spec, parse_spec
+    from failbench_ray.storage.db import Database
+
+    if args.calibration_steps < 10:
+        raise _usage(f"--calibration-steps {args.calibration_steps}: give 10 or more")
+    if args.sim_runs < 1:
+        raise _usage(f"--sim-runs {args.sim_runs}: give 1 or more")
+    spec = load_spec(args.spec)
+    opts = validate.ValidateOptions(
+        mtbf_s=args.mtbf_s,
+        duration_s=args.duration_s,
+        mechanisms=tuple(m.strip() for m in args.mechanisms.split(",") if m.strip()),
+        seed=args.seed,
+        mix=validate.parse_mix(args.mix),
+        calibration_steps=args.calibration_steps,
+        sim_runs=args.sim_runs,
+    )
+    validate.check_options(spec, opts)  # bad input: one line, before anything starts
+    db = Database(args.db)
+    started = runtime.connect(args.ray_address)
+    result_out, sys.stdout = sys.stdout, sys.stderr  # Ray's messages: not the report
+    try:
+        report = validate.run_validate(
+            spec,
+            opts,
+            run=lambda data: run_experiment(parse_spec(data), db=db, out_dir=args.out / "runs"),
+            say=lambda line: err.print(line, markup=False),
+        )
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+        db.dispose()
+        sys.stdout = result_out
+    args.out.mkdir(parents=True, exist_ok=True)
+    data = report.as_dict()
+    (args.out / "validation.json").write_text(json.dumps(data, indent=2))
+    png = validate.figure(report, args.out / "validation.png") if report.mechanisms else None
+    md = validate.markdown_report(report, png)
+    (args.out / "validation.md").write_text("\n".join(md))
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        out.print("\n".join(md), markup=False)
+    failed = [m for m in report.mechanisms if m.measured_ettr is None]
+    return EXIT_FAILED if failed else EXIT_OK
 
 
 def _search(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ import ray
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-from failbench_ray import results, telemetry
+from failbench_ray import ettr, results, telemetry
 from failbench_ray.checks import Resolved, resolve
 from failbench_ray.controller import TrialController, TrialOutcome
 from failbench_ray.errors import LeaseLost, TrialInterrupted
@@ -393,4 +393,11 @@ def _extras(resolved: Resolved, outcome: TrialOutcome, steady: list[float]) -> d
             outcome.records, spec.batch_size, resolved.arch.commits_whole_batch()
         ),
         "checkpoint": results.mechanism_costs(outcome.records, outcome.checkpoints, spec.steps),
+        **_ettr(outcome),
     }
+
+
+def _ettr(outcome: TrialOutcome) -> dict[str, Any]:
+    got = ettr.measure(outcome.records, outcome.failures)
+    parts = {"wall_s": got["wall_s"], "useful_s": got["useful_s"], **got["breakdown"]}
+    return {"ettr": got["ettr"], "ettr_breakdown": parts, "ettr_steady": got["steady"]}

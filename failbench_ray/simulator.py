@@ -27,6 +27,15 @@ class Failures:
     shape: float = 0.7  # Weibull shape (< 1: failures come in bursts)
     node_share: float = 0.0  # fraction of failures that take a whole node
     workers_per_node: int = 8
+    # Failures at these times (seconds), none after: a run's own draws replayed (`failbench
+    # validate` gives the simulator the failures the measured run had).
+    schedule: tuple[float, ...] | None = None
+
+    def next_after(self, t: float, rng: random.Random) -> float:
+        """When the next failure after `t` strikes."""
+        if self.schedule is not None:
+            return next((s for s in self.schedule if s > t), math.inf)
+        return t + self.draw(rng)
 
     def draw(self, rng: random.Random) -> float:
         if self.distribution == "exponential":
@@ -123,7 +132,7 @@ class _Sim:
         if fb is not None and fb.periodic:
             fb_tau = interval(fb, failures.mtbf_s / q) if q > 0 else math.inf
         slow = 1.0 + p.overhead
-        next_fail = failures.draw(rng)
+        next_fail = failures.next_after(0.0, rng)
         return cls(
             p, failures, job_s, world, rng, slow, tau, q, fb_tau,
             next_save=tau, next_fb=fb_tau, next_fail=next_fail,
@@ -142,7 +151,8 @@ class _Sim:
             return
         cycle = tau * self.slow + p.save_s
         end = min(self.next_fb, self.job_s)
-        k = min(int((self.next_fail - t) // cycle), int((end - work) // tau)) - 1
+        by_fail = math.inf if math.isinf(self.next_fail) else (self.next_fail - t) // cycle
+        k = int(min(by_fail, (end - work) // tau)) - 1
         if k > 0:
             self.work, self.t = work + k * tau, t + k * cycle
             self.saved = [*self.saved[-3:], (self.work, self.t + p.durable_s)]
@@ -196,7 +206,7 @@ class _Sim:
         while True:
             level, restart = self._restore_point(took_copies)
             self.work = min(self.work, level)
-            self.next_fail = self.t + failures.draw(rng)
+            self.next_fail = failures.next_after(self.t, rng)
             if self.next_fail >= self.t + restart:
                 self.t += restart
                 break

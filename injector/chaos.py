@@ -56,12 +56,17 @@ class Chaos:
         self._noticed: dict[int, float] = {}  # noticed, not struck yet: index -> when it strikes
         self._arrived: dict[int, set[int]] = {}
         self._targets: dict[int, Target] = {}
+        self._down: set[int] = set()  # ranks this actor struck, until a new worker takes them
         self._timers = []
 
     def set_targets(self, targets: dict[int, tuple[Any, ...]]) -> None:
         """rank -> (pid, actor handle, node id) of the current worker of that rank."""
         with self._cond:
-            self._targets.update({r: Target(*t) for r, t in targets.items()})
+            for r, t in targets.items():
+                target = Target(*t)
+                if r in self._targets and self._targets[r].pid != target.pid:
+                    self._down.discard(r)
+                self._targets[r] = target
 
     def start(self) -> None:
         """Start the clock of time-triggered events."""
@@ -163,6 +168,8 @@ class Chaos:
         params = kind.params.model_validate(event.kill_params)
         t = time.time()
         ranks = list(event.ranks)
+        if event.at_seconds is not None:
+            ranks = self._live(ranks)
         if kind.kill is not None:
             ranks = kind.kill(ranks, self._targets, params)
         where = sorted({self._targets[r].node_id[:8] for r in ranks if r in self._targets})
@@ -178,10 +185,27 @@ class Chaos:
             step,
         )
         lasts = kind.lasts_s(params) if kind.lasts_s is not None else None
+        self._down |= set(ranks)
         inj = Injection(index, ranks, event.kill, event.trigger, t, step, lasts)
         self._fired[index] = inj
         self._cond.notify_all()
         return inj
+
+    def _live(self, ranks: list[int]) -> list[int]:
+        """A failure at a wall time strikes whatever runs then: a victim this actor already
+        struck (dead, or not yet replaced) gives way to the next rank still up."""
+        world = sorted(self._targets)
+        taken = [r for r in ranks if r not in self._down]
+        for r in ranks:
+            if r not in self._down or not world:
+                continue
+            start = world.index(r) if r in world else 0
+            for k in range(1, len(world) + 1):
+                other = world[(start + k) % len(world)]
+                if other not in self._down and other not in taken:
+                    taken.append(other)
+                    break
+        return sorted(taken)
 
 
 class _LoggingChaos(Chaos):

@@ -79,6 +79,25 @@ def _check_cascading(trace: FailureTrace) -> None:
             )
 
 
+def _check_timed(trace: FailureTrace) -> None:
+    if not trace.events:
+        raise SpecError(
+            "failures.kind=timed needs at least one event, each with at_seconds, e.g. "
+            "{kind: timed, events: [{rank: 1, at_seconds: 20}, {rank: 3, at_seconds: 75}]}"
+        )
+    times = []
+    for i, e in enumerate(trace.events):
+        if e.at_seconds is None:
+            raise SpecError(
+                f"failures.events[{i}] of a timed trace needs at_seconds (timed failures "
+                "strike at wall times, whatever the run is doing); use cascading for at_step "
+                "or during"
+            )
+        times.append(e.at_seconds)
+    if times != sorted(times):
+        raise SpecError(f"failures.events of a timed trace must come in time order: {times}")
+
+
 TRACE_KINDS.add("none", TraceKind("none", "no failures", _check_none))
 TRACE_KINDS.add("single", TraceKind("single", "one rank, at a step or a time", _check_single))
 TRACE_KINDS.add(
@@ -88,6 +107,17 @@ TRACE_KINDS.add(
     "cascading",
     TraceKind(
         "cascading", "a further failure during a phase of the last recovery", _check_cascading
+    ),
+)
+
+
+TRACE_KINDS.add(
+    "timed",
+    TraceKind(
+        "timed",
+        "failures at given wall times, any number (`failbench validate` draws them as a "
+        "Poisson process); one that strikes a dead rank strikes the next live one",
+        _check_timed,
     ),
 )
 

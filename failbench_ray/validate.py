@@ -1,0 +1,483 @@
+"""`failbench validate SPEC --mtbf-s S --duration-s D`: the decision framework against real runs.
+
+For each mechanism:
+1. calibration (never the validation runs): the spec trained with no failure, then with two
+   failures at fixed steps (a seed of its own); from their ETTR breakdowns (`ettr`) come the
+   mechanism's costs: the time of a step, what a save blocks, the steady overhead (gaps between
+   steps, per-step copies), the downtime of a failure and the work it loses (`fit_profile`);
+2. validation: the spec trained for D seconds of failure-free work, while failures arrive as a
+   seeded Poisson process in wall time (exponential gaps of mean S; rank uniform, kind drawn from
+   `--mix`): a `timed` trace. Its measured ETTR and breakdown are the truth;
+3. prediction from the calibrated costs: the model (`reliability`, Daly with the mechanism's own
+   interval) and the simulator (`simulator`), once playing the very failure times the run had,
+   once over `sim_runs` seeded Poisson draws (its mean and 95% interval).
+
+The report: per mechanism, measured against predicted ETTR, the absolute error in percentage
+points, and whether the mechanisms rank the same way. Pure parts (`poisson_events`,
+`fit_profile`, `predict`, `ranking_agrees`) are tested without Ray.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from failbench_ray.errors import UsageError
+from failbench_ray.reliability import Profile, expected_ratio, no_checkpoint_ratio
+from failbench_ray.results import ExperimentResult
+from failbench_ray.simulator import Failures, simulate, summarize
+from failbench_ray.spec import ExperimentSpec
+
+GOAL_PP = 3.0  # the issue's goal: every error at most 3 percentage points
+CALIBRATION_SEED_OFFSET = 1_000_003  # calibration runs train on other data than validation's
+HORIZON = 4.0  # failures are drawn over this many times the failure-free duration
+
+
+@dataclass(frozen=True)
+class ValidateOptions:
+    mtbf_s: float
+    duration_s: float
+    mechanisms: tuple[str, ...] = ()  # none: every one that applies to the architecture
+    seed: int = 0
+    mix: dict[str, float] = field(default_factory=lambda: {"sigkill": 1.0})
+    calibration_steps: int = 40
+    sim_runs: int = 200
+
+
+def parse_mix(text: str) -> dict[str, float]:
+    """`sigkill=0.8,hang=0.2` -> {"sigkill": 0.8, "hang": 0.2}."""
+    mix: dict[str, float] = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name, sep, weight = part.partition("=")
+        try:
+            mix[name.strip()] = float(weight) if sep else 1.0
+        except ValueError:
+            raise UsageError(
+                f"--mix {text!r}: {part!r} is not kind=weight (e.g. sigkill=0.8,hang=0.2)"
+            ) from None
+    return mix
+
+
+def check_options(spec: ExperimentSpec, opts: ValidateOptions) -> tuple[str, ...]:
+    """The mechanisms to validate; UsageError (one line, what to change) on bad input."""
+    from failbench_ray import catalog
+    from injector.kill_kinds import KILL_KINDS
+    from mechanisms import MECHANISMS
+
+    if not opts.mtbf_s > 0 or math.isinf(opts.mtbf_s):
+        raise UsageError(f"--mtbf-s {opts.mtbf_s:g}: give a positive number of seconds")
+    if not opts.duration_s >= opts.mtbf_s or math.isinf(opts.duration_s):
+        raise UsageError(
+            f"--duration-s {opts.duration_s:g} is shorter than --mtbf-s {opts.mtbf_s:g}: a run "
+            "must expect at least one failure; give a duration of at least the MTBF"
+        )
+    if not opts.mix:
+        raise UsageError("--mix is empty: give kind=weight pairs, e.g. sigkill=0.8,hang=0.2")
+    for name, weight in opts.mix.items():
+        kind = KILL_KINDS.get(name)  # unknown: one line naming the valid ones
+        if not weight > 0:
+            raise UsageError(f"--mix: {name}={weight:g}; every weight must be positive")
+        if kind.by_worker or kind.lasts_s is not None:
+            raise UsageError(
+                f"--mix: {name} is not a failure that strikes at a wall time and is recovered "
+                "(it needs a failpoint in the step, or it ends by itself); use sigkill, "
+                "ray_kill, hang, gil_hang, preempt or node"
+            )
+    total = sum(opts.mix.values())
+    if abs(total - 1.0) > 1e-6:
+        raise UsageError(f"--mix weights sum to {total:g}, not 1; scale them to sum to 1")
+    applies = catalog.applicability(spec.architecture.name)
+    names = opts.mechanisms or tuple(m for m, why in applies.items() if why is None)
+    for name in names:
+        MECHANISMS.get(name)  # unknown: one line naming the valid ones
+        if applies.get(name) is not None:
+            raise UsageError(
+                f"mechanism {name} does not apply to {spec.architecture.name}: {applies[name]}"
+            )
+    if len(set(names)) != len(names):
+        raise UsageError(f"--mechanisms {','.join(names)} names a mechanism twice")
+    return tuple(names)
+
+
+def poisson_events(
+    mtbf_s: float, horizon_s: float, world: int, mix: dict[str, float], seed: int
+) -> list[dict[str, Any]]:
+    """A `timed` trace's events: exponential gaps of mean `mtbf_s` up to `horizon_s`, each on a
+    uniformly drawn rank with a kind drawn from `mix`. The same seed, the same failures."""
+    rng = random.Random(seed)
+    kinds, weights = list(mix), list(mix.values())
+    events: list[dict[str, Any]] = []
+    t = rng.expovariate(1.0 / mtbf_s)
+    while t < horizon_s:
+        kind = rng.choices(kinds, weights)[0]
+        events.append({"ranks": [rng.randrange(world)], "at_seconds": round(t, 3), "kill": kind})
+        t += rng.expovariate(1.0 / mtbf_s)
+    return events
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """A mechanism's costs for this job, from its calibration runs."""
+
+    profile: Profile
+    step_s: float  # useful seconds of one step
+    failures: int  # failures the costs per failure are the mean of
+    notes: tuple[str, ...] = ()
+
+
+def _breakdown(result: ExperimentResult) -> tuple[dict[str, Any], dict[str, Any], int]:
+    trial = result.trials[0] if result.trials else None
+    extra = (trial.model_extra or {}) if trial is not None else {}
+    if trial is None or trial.status != "completed" or not extra.get("ettr_breakdown"):
+        why = trial.error if trial is not None else result.status
+        raise RuntimeError(f"calibration run {result.experiment_id} did not complete: {why}")
+    return dict(extra["ettr_breakdown"]), dict(extra["ettr_steady"]), len(trial.failures)
+
+
+def fit_profile(
+    mechanism: str,
+    interval: int | None,
+    steady: ExperimentResult,
+    failing: ExperimentResult,
+    steps_steady: int,
+    steps_failing: int,
+) -> Fitted:
+    """Costs from the two calibration runs: `steady` (no failure) gives the step time, what a
+    save blocks and the steady overhead; `failing` gives each failure's downtime and lost work
+    (its extra unexplained time, e.g. a slow first step after a recovery, is downtime too)."""
+    ff, calm, _ = _breakdown(steady)
+    fb, _, k = _breakdown(failing)
+    step_s, gap_s = calm["step_s"], calm["gap_s"]
+    periodic = interval is not None and mechanism != "none"
+    if periodic:
+        assert interval is not None
+        saves = max(1, steps_steady // interval)
+        save_s = ff["checkpoint_stall_s"] / saves
+        overhead = gap_s / step_s
+    else:
+        save_s = 0.0
+        overhead = (gap_s + calm["stall_s_per_step"]) / step_s
+    down = sum(v for key, v in fb.items() if key.startswith("down_"))
+    # what the failing run lost beyond its downtime and steady gaps (warm-up, catching up)
+    extra = fb["other_s"] - (ff["other_s"] / steps_steady) * steps_failing
+    k = max(k, 1)
+    restart_s = (down + max(0.0, extra)) / k
+    lost_s = (fb["replayed_s"] + fb["lost_in_flight_s"]) / k
+    notes = [f"{k} calibration failure(s)"]
+    if periodic:
+        assert interval is not None
+        profile = Profile(
+            mechanism, save_s=max(save_s, 1e-9), overhead=overhead, restart_s=restart_s,
+            interval_s=interval * step_s,
+        )  # fmt: skip
+    elif mechanism == "none":
+        profile = Profile(mechanism, overhead=overhead, restart_s=restart_s)
+        notes.append("no saved state: a failure restarts the job")
+    else:
+        profile = Profile(mechanism, overhead=overhead, restart_s=restart_s, lost_s=lost_s)
+    return Fitted(profile, step_s, k, tuple(notes))
+
+
+def predict(
+    fitted: Fitted,
+    mtbf_s: float,
+    work_s: float,
+    world: int,
+    times: tuple[float, ...],
+    runs: int,
+    seed: int,
+) -> dict[str, Any]:
+    """ETTR the model and the simulator predict for `work_s` of failure-free work; the
+    simulator once with the failure `times` the measured run had, once over `runs` draws."""
+    p = fitted.profile
+    if p.mechanism == "none":
+        model = no_checkpoint_ratio(work_s, p.restart_s, mtbf_s) / (1 + p.overhead)
+    else:
+        model = expected_ratio(p, mtbf_s)
+    same = simulate(p, Failures(mtbf_s, schedule=times), work_s, world, seed)
+    drawn = summarize(p, Failures(mtbf_s), work_s, world, runs=runs, seed=seed)
+    # ETTR counts training at full speed: the simulator's work over wall, slowed by overhead
+    slow = 1.0 + p.overhead
+    return {
+        "model": model,
+        "simulator_same_failures": same.ratio / slow,
+        "simulator": drawn.ratio / slow,
+        "simulator_interval95": [drawn.job_low / slow, drawn.job_high / slow],
+    }
+
+
+def ranking_agrees(measured: dict[str, float], predicted: dict[str, float]) -> bool:
+    """Whether the mechanisms come in the same order by measured and by predicted ETTR."""
+    order = sorted(measured, key=lambda m: -measured[m])
+    return order == sorted(predicted, key=lambda m: -predicted[m])
+
+
+@dataclass
+class MechanismValidation:
+    mechanism: str
+    measured_ettr: float | None
+    failures_struck: int
+    breakdown: dict[str, float]
+    predicted: dict[str, Any]
+    costs: dict[str, Any]
+    experiments: dict[str, str]  # calibration / validation experiment ids
+    error: str | None = None
+
+    def error_pp(self, key: str) -> float | None:
+        got = self.predicted.get(key)
+        if self.measured_ettr is None or got is None:
+            return None
+        return abs(self.measured_ettr - got) * 100
+
+
+@dataclass
+class ValidationReport:
+    architecture: str
+    mtbf_s: float
+    duration_s: float
+    seed: int
+    mix: dict[str, float]
+    mechanisms: list[MechanismValidation] = field(default_factory=list)
+
+    def agreement(self) -> dict[str, Any]:
+        done = [m for m in self.mechanisms if m.measured_ettr is not None and m.predicted]
+        measured = {m.mechanism: float(m.measured_ettr or 0.0) for m in done}
+        out: dict[str, Any] = {}
+        for key in ("model", "simulator_same_failures", "simulator"):
+            errors = [m.error_pp(key) for m in done]
+            worst = max((e for e in errors if e is not None), default=None)
+            out[key] = {
+                "max_error_pp": worst,
+                "within_goal": worst is not None and worst <= GOAL_PP,
+                "same_ranking": ranking_agrees(
+                    measured, {m.mechanism: m.predicted[key] for m in done}
+                ),
+            }
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        rows = []
+        for m in self.mechanisms:
+            row = asdict(m)
+            row["ettr"] = row.pop("measured_ettr")
+            row["error_pp"] = {k: m.error_pp(k) for k in ("model", "simulator_same_failures")}
+            row["error_pp"]["simulator"] = m.error_pp("simulator")
+            rows.append(row)
+        return {
+            "architecture": self.architecture,
+            "mtbf_s": self.mtbf_s,
+            "duration_s": self.duration_s,
+            "seed": self.seed,
+            "mix": self.mix,
+            "goal_pp": GOAL_PP,
+            "mechanisms": rows,
+            "agreement": self.agreement(),
+        }
+
+
+def _interval(spec: ExperimentSpec) -> int | None:
+    from failbench_ray.checks import resolve
+
+    value = getattr(resolve(spec).mech.params, "interval", None)
+    return int(value) if isinstance(value, int) else None
+
+
+def _with(spec: ExperimentSpec, **changes: Any) -> dict[str, Any]:
+    data = spec.model_dump(mode="json", exclude_defaults=True)
+    data.update(trials=1, baseline=False, **changes)
+    return data
+
+
+def run_validate(
+    spec: ExperimentSpec,
+    opts: ValidateOptions,
+    *,
+    run: Callable[[dict[str, Any]], ExperimentResult],
+    say: Callable[[str], None] = lambda line: None,
+) -> ValidationReport:
+    """Calibrate, validate and predict each mechanism (module docstring). `run(data)` runs one
+    experiment spec (as data) and returns its result."""
+    from failbench_ray.spec import parse_spec
+
+    names = check_options(spec, opts)
+    report = ValidationReport(
+        spec.architecture.name, opts.mtbf_s, opts.duration_s, opts.seed, dict(opts.mix)
+    )
+    world, cal_steps = spec.world_size, opts.calibration_steps
+    events = poisson_events(opts.mtbf_s, HORIZON * opts.duration_s, world, opts.mix, opts.seed)
+    cal_seed = spec.seed + CALIBRATION_SEED_OFFSET
+    for name in names:
+        mech = {"name": name}
+        if name == spec.mechanism.name:
+            mech = spec.mechanism.model_dump(mode="json")
+        base = parse_spec(_with(spec, mechanism=mech, failures={"kind": "none"}))
+        interval = _interval(base)
+        steady = run(_with(base, name=f"calibrate {name}: steady", steps=cal_steps, seed=cal_seed))
+        failing_trace = {
+            "kind": "cascading",
+            "events": [
+                {"ranks": [world - 1], "at_step": cal_steps // 3},
+                {"ranks": [min(1, world - 1)], "at_step": 2 * cal_steps // 3 + 1},
+            ],
+        }
+        failing = run(
+            _with(
+                base, name=f"calibrate {name}: failures", steps=cal_steps, seed=cal_seed,
+                failures=failing_trace,
+            )
+        )  # fmt: skip
+        ids = {"steady": steady.experiment_id, "failures": failing.experiment_id}
+        try:
+            fitted = fit_profile(name, interval, steady, failing, cal_steps, cal_steps)
+        except RuntimeError as err:
+            report.mechanisms.append(MechanismValidation(name, None, 0, {}, {}, {}, ids, str(err)))
+            say(f"{name}: {err}")
+            continue
+        slow = 1.0 + fitted.profile.overhead
+        steps = max(cal_steps, round(opts.duration_s / (fitted.step_s * slow)))
+        valid = run(
+            _with(
+                base, name=f"validate {name}", steps=steps,
+                failures={"kind": "timed", "events": events},
+            )
+        )  # fmt: skip
+        ids["validation"] = valid.experiment_id
+        trial = valid.trials[0] if valid.trials else None
+        extra = (trial.model_extra or {}) if trial is not None else {}
+        costs = {**asdict(fitted.profile), "step_s": fitted.step_s, "notes": list(fitted.notes)}
+        costs.pop("fallback", None)
+        if trial is None or trial.status != "completed" or extra.get("ettr") is None:
+            why = trial.error if trial is not None else valid.status
+            report.mechanisms.append(
+                MechanismValidation(name, None, 0, {}, {}, costs, ids, f"validation run: {why}")
+            )
+            say(f"{name}: the validation run did not complete: {why}")
+            continue
+        struck = tuple(
+            e["at_seconds"] for e in events[: len(trial.failures)]
+        )  # the times of the failures that struck (in order; later ones were cancelled)
+        predicted = predict(
+            fitted, opts.mtbf_s, steps * fitted.step_s, world, struck, opts.sim_runs, opts.seed
+        )
+        measured = float(extra["ettr"])
+        m = MechanismValidation(
+            name, measured, len(trial.failures), dict(extra["ettr_breakdown"]), predicted,
+            costs, ids,
+        )  # fmt: skip
+        report.mechanisms.append(m)
+        say(
+            f"{name}: measured ETTR {100 * measured:.1f}% ({m.failures_struck} failures); "
+            f"model {100 * predicted['model']:.1f}%, simulator with the same failures "
+            f"{100 * predicted['simulator_same_failures']:.1f}%"
+        )
+    return report
+
+
+def markdown_report(report: ValidationReport, figure: str | None) -> list[str]:
+    """validation.md: the table, the agreement, the breakdowns."""
+    from failbench_ray import markdown
+
+    head = [
+        "mechanism", "failures", "measured ETTR", "model", "error pp", "simulator, same "
+        "failures", "error pp", "simulator, Poisson (95% of jobs)", "error pp",
+    ]  # fmt: skip
+    body = []
+    for m in report.mechanisms:
+        if m.measured_ettr is None:
+            body.append([m.mechanism, "-", f"failed: {m.error}", *["-"] * 6])
+            continue
+        p = m.predicted
+        low, high = p["simulator_interval95"]
+        body.append(
+            [
+                m.mechanism, str(m.failures_struck), _pct(m.measured_ettr), _pct(p["model"]),
+                _pp(m.error_pp("model")), _pct(p["simulator_same_failures"]),
+                _pp(m.error_pp("simulator_same_failures")),
+                f"{_pct(p['simulator'])} ({_pct(low)}-{_pct(high)})", _pp(m.error_pp("simulator")),
+            ]
+        )  # fmt: skip
+    agree = report.agreement()
+    lines = [
+        f"# Measured versus predicted ETTR: {report.architecture}",
+        "",
+        f"Failures: a Poisson process of mean {report.mtbf_s:g} s (seed {report.seed}, kinds "
+        f"{report.mix}); {report.duration_s:g} s of failure-free work per mechanism. Costs "
+        "fitted on separate calibration runs (no failure; two failures at fixed steps), never "
+        "on the validation run. ETTR as the README defines it.",
+        "",
+        *markdown.table(head, body),
+    ]
+    for key, label in (
+        ("model", "model"),
+        ("simulator_same_failures", "simulator, same failures"),
+        ("simulator", "simulator, Poisson"),
+    ):
+        a = agree[key]
+        worst = a["max_error_pp"]
+        lines.append(
+            f"- {label}: largest error "
+            + (f"{worst:.2f} pp" if worst is not None else "-")
+            + f" (goal {GOAL_PP:g} pp: {'met' if a['within_goal'] else 'not met'}); ranking "
+            + ("the same as measured" if a["same_ranking"] else "differs from measured")
+        )
+    lines.append(
+        "- One validation run per mechanism: where measured ETTRs differ by less than the "
+        "errors above, the order of those mechanisms is not told apart by this run."
+    )
+    if figure:
+        lines += ["", f"![measured versus predicted ETTR]({figure})"]
+    return [*lines, ""]
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _pp(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def figure(report: ValidationReport, path: Path) -> str:
+    """Measured against predicted ETTR per mechanism, as bars; the PNG's file name."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [m for m in report.mechanisms if m.measured_ettr is not None]
+    names = [m.mechanism for m in done]
+    series = [
+        ("measured", [float(m.measured_ettr or 0) for m in done], "black"),
+        ("model", [m.predicted["model"] for m in done], "tab:blue"),
+        ("simulator, same failures", [m.predicted["simulator_same_failures"] for m in done],
+         "tab:orange"),
+        ("simulator, Poisson", [m.predicted["simulator"] for m in done], "tab:green"),
+    ]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(names) + 2), 4.2))
+    width = 0.2
+    for i, (label, values, color) in enumerate(series):
+        xs = [j + (i - 1.5) * width for j in range(len(names))]
+        ax.bar(xs, [100 * v for v in values], width, label=label, color=color)
+        if label == "simulator, Poisson":
+            bands = [m.predicted["simulator_interval95"] for m in done]
+            low = [100 * (v - b[0]) for v, b in zip(values, bands, strict=True)]
+            high = [100 * (b[1] - v) for v, b in zip(values, bands, strict=True)]
+            ax.errorbar(xs, [100 * v for v in values], yerr=[low, high], fmt="none", color="k",
+                        capsize=3, linewidth=0.8)  # fmt: skip
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("ETTR (%)")
+    floor = min((100 * v for _, vals, _ in series for v in vals), default=0.0)
+    ax.set_ylim(max(0.0, floor - 10), 100)
+    ax.set_title(
+        f"{report.architecture}: measured vs predicted ETTR "
+        f"(MTBF {report.mtbf_s:g} s, {report.duration_s:g} s of work)"
+    )
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name

@@ -1,0 +1,64 @@
+"""ETTR from step and failure records (issue 20, item 1): pure, no Ray."""
+
+from __future__ import annotations
+
+import pytest
+
+from failbench_ray.ettr import measure
+from failbench_ray.records import FailureRecord, StepRecord
+
+
+def step(
+    rank: int, n: int, gen: int, start: float, took: float, blocked: float = 0.0
+) -> StepRecord:
+    return StepRecord(rank, n, gen, 1.0, start, start + took, 4, blocked)
+
+
+def test_a_run_without_failures_loses_only_its_checkpoint_stalls() -> None:
+    # 2 ranks, 10 steps of 1 s, a 0.5 s save blocking every 5th step
+    records = []
+    t = 0.0
+    for n in range(1, 11):
+        took = 1.5 if n % 5 == 0 else 1.0
+        records += [step(0, n, 0, t, took, 0.5 if n % 5 == 0 else 0.0), step(1, n, 0, t, took)]
+        t += took
+    got = measure(records, [])
+    assert got["wall_s"] == pytest.approx(11.0)
+    assert got["ettr"] == pytest.approx(10 / 11)
+    assert got["breakdown"]["checkpoint_stall_s"] == pytest.approx(1.0)
+    assert got["breakdown"]["other_s"] == pytest.approx(0.0)
+
+
+def test_a_failure_costs_its_phases_the_work_in_flight_and_the_replay() -> None:
+    # steps 1-4 at t=0..4; rank 1 dies at 4.6 (step 5 in flight); recovery 2 s, back to step 2;
+    # steps 3-4 replayed, then 5-6: generation 1 from t=6.6
+    records = [step(r, n, 0, n - 1.0, 1.0) for n in range(1, 5) for r in (0, 1)]
+    records += [step(r, n, 1, 6.6 + (n - 3), 1.0) for n in range(3, 7) for r in (0, 1)]
+    failure = FailureRecord(0, [1], "sigkill", "t=4.6s", 5, 4.6)
+    failure.phases.update(detected=0.1, quiesced=0.3, reformed=1.5, restored=1.8, resumed=2.0)
+    got = measure(records, [failure])
+    b = got["breakdown"]
+    assert got["wall_s"] == pytest.approx(10.6)
+    assert got["useful_s"] == pytest.approx(6.0)  # steps 1-6 once each
+    assert b["replayed_s"] == pytest.approx(2.0)  # steps 3-4 of generation 0
+    assert b["lost_in_flight_s"] == pytest.approx(0.6)
+    assert b["down_detect_s"] == pytest.approx(0.1) and b["down_reform_s"] == pytest.approx(1.2)
+    assert sum(v for k, v in b.items() if k.startswith("down_")) == pytest.approx(2.0)
+    assert b["other_s"] == pytest.approx(0.0)
+    assert got["ettr"] == pytest.approx(6.0 / 10.6)
+
+
+def test_a_failure_during_a_recovery_is_not_counted_as_work_in_flight() -> None:
+    records = [step(0, 1, 0, 0.0, 1.0), step(0, 2, 1, 6.0, 1.0)]
+    first = FailureRecord(0, [0], "sigkill", "t=1s", 2, 1.0, interrupted_by=1)
+    first.phases.update(detected=0.1, quiesced=0.2)  # cut short by the second
+    second = FailureRecord(1, [0], "sigkill", "t=2s", 2, 2.0)
+    second.phases.update(detected=0.1, quiesced=0.2, reformed=3.0, restored=3.5, resumed=4.0)
+    b = measure(records, [first, second])["breakdown"]
+    assert b["lost_in_flight_s"] == pytest.approx(0.0)
+    assert b["down_reform_s"] == pytest.approx(0.8 + 2.8)  # the first cut short while re-forming
+    assert b["other_s"] == pytest.approx(0.0)
+
+
+def test_no_records_no_ettr() -> None:
+    assert measure([], [])["ettr"] is None

@@ -1,0 +1,200 @@
+"""`failbench validate` (issue 20): Poisson failures, costs fitted on calibration runs, the
+model and the simulator against the measured ETTR. Pure parts without Ray; one end-to-end run
+on a real Ray cluster with real SIGKILLs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from failbench_ray import cli
+from failbench_ray.results import ExperimentResult
+from failbench_ray.runner import run_experiment
+from failbench_ray.spec import parse_spec
+from failbench_ray.storage.db import Database
+from failbench_ray.validate import (
+    Fitted,
+    ValidateOptions,
+    check_options,
+    fit_profile,
+    parse_mix,
+    poisson_events,
+    predict,
+    ranking_agrees,
+    run_validate,
+)
+
+SPEC: dict[str, Any] = {
+    "architecture": "ddp",
+    "world_size": 3,
+    "model": {"kind": "mlp", "input_dim": 16, "hidden_dim": 32, "depth": 2},
+    "steps": 30,
+    "batch_size": 24,
+    "mechanism": {"name": "disk_ckpt", "params": {"interval": 5}},
+}
+
+
+def test_failures_arrive_as_a_seeded_poisson_process() -> None:
+    events = poisson_events(10.0, 100_000.0, 4, {"sigkill": 0.75, "hang": 0.25}, seed=3)
+    assert events == poisson_events(10.0, 100_000.0, 4, {"sigkill": 0.75, "hang": 0.25}, seed=3)
+    times = [e["at_seconds"] for e in events]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert len(events) == pytest.approx(10_000, rel=0.05)
+    assert sum(gaps) / len(gaps) == pytest.approx(10.0, rel=0.05)
+    # exponential: the gaps' standard deviation equals their mean
+    mean = sum(gaps) / len(gaps)
+    sd = math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps))
+    assert sd == pytest.approx(mean, rel=0.05)
+    hangs = sum(e["kill"] == "hang" for e in events) / len(events)
+    assert hangs == pytest.approx(0.25, abs=0.02)
+    assert {r for e in events for r in e["ranks"]} == {0, 1, 2, 3}
+    assert poisson_events(10.0, 100.0, 4, {"sigkill": 1.0}, seed=4) != events[:10]
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"mtbf_s": 0}, "--mtbf-s 0: give a positive number of seconds"),
+        ({"mtbf_s": -5}, "--mtbf-s -5: give a positive"),
+        ({"duration_s": 5}, "--duration-s 5 is shorter than --mtbf-s 10: a run must expect"),
+        ({"mechanisms": ("disk_ckpt", "zap")}, "unknown mechanism 'zap'"),
+        ({"mechanisms": ("live_recovery",)}, "mechanism live_recovery does not apply to"),
+        ({"mix": {"sigkill": 0.5, "hang": 0.3}}, "--mix weights sum to 0.8, not 1"),
+        ({"mix": {"zap": 1.0}}, "unknown kill kind 'zap'"),
+        ({"mix": {"bitflip": 1.0}}, "--mix: bitflip is not a failure that strikes at a wall"),
+        ({"mix": {"sigkill": 1.5, "hang": -0.5}}, "--mix: hang=-0.5; every weight must be"),
+    ],
+)
+def test_bad_input_gets_one_line_saying_what_to_change(change: dict[str, Any], says: str) -> None:
+    opts = ValidateOptions(**{"mtbf_s": 10.0, "duration_s": 60.0, **change})
+    spec = parse_spec({**SPEC, "architecture": "fsdp"} if "live_recovery" in str(change) else SPEC)
+    with pytest.raises(Exception) as caught:  # noqa: PT011 (UsageError or SpecError: its text)
+        check_options(spec, opts)
+    assert says in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_the_command_refuses_bad_input_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import yaml
+
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump(SPEC))
+    for args, says in (
+        (["--mtbf-s", "0", "--duration-s", "10"], "--mtbf-s 0: give a positive"),
+        (["--mtbf-s", "10", "--duration-s", "60", "--mix", "sigkill"], None),
+        (["--mtbf-s", "10", "--duration-s", "60", "--mix", "sigkill=x"], "is not kind=weight"),
+        (["--mtbf-s", "10", "--duration-s", "60", "--mix", "sigkill=.4"], "sum to 0.4, not 1"),
+    ):
+        if says is None:
+            assert parse_mix("sigkill") == {"sigkill": 1.0}
+            continue
+        assert cli.main(["validate", str(spec), *args, "--db", f"sqlite:///{tmp_path}/v.db"]) == 2
+        err = capsys.readouterr().err
+        assert says in err and err.strip().count("\n") == 0, err
+
+
+def result(breakdown: dict[str, float], steady: dict[str, float], failures: int) -> Any:
+    trial = {
+        "trial": 0, "status": "completed", "step_time_s": 0.01, "overhead_pct": None,
+        "final_loss": 1.0, "params_digest": "x", "matches_baseline": None,
+        "failures": [
+            {"ranks": [1], "kill_kind": "sigkill", "trigger": "step=5", "injected_at_step": 5,
+             "restored_from_step": 5, "lost_steps": 0, "quiesce": "abort", "restore_source": "x",
+             "phases": {}}
+        ] * failures,
+        "ettr": 0.5, "ettr_breakdown": breakdown, "ettr_steady": steady,
+    }  # fmt: skip
+    return ExperimentResult.model_validate(
+        {"experiment_id": "e", "status": "completed", "spec": {}, "baseline": None,
+         "trials": [trial]}
+    )  # fmt: skip
+
+
+ZERO = dict.fromkeys(
+    ("checkpoint_stall_s", "replayed_s", "lost_in_flight_s", "down_detect_s", "down_quiesce_s",
+     "down_reform_s", "down_restore_s", "down_resume_s", "other_s"), 0.0
+)  # fmt: skip
+
+
+def test_costs_come_from_the_calibration_runs() -> None:
+    # 100 steps of 10 ms, a 5 ms gap between steps, a 20 ms save every 10 steps
+    steady = result(
+        {**ZERO, "useful_s": 1.0, "checkpoint_stall_s": 0.2, "other_s": 0.6},
+        {"step_s": 0.01, "gap_s": 0.005, "stall_s_per_step": 0.002},
+        0,
+    )
+    # two failures: 3 s down each, 0.1 s of work in flight, 0.2 s replayed, 0.4 s catching up
+    failing = result(
+        {**ZERO, "useful_s": 1.0, "checkpoint_stall_s": 0.2, "down_reform_s": 5.0,
+         "down_detect_s": 1.0, "lost_in_flight_s": 0.1, "replayed_s": 0.2, "other_s": 1.0},
+        {"step_s": 0.01, "gap_s": 0.005, "stall_s_per_step": 0.002},
+        2,
+    )  # fmt: skip
+    fit = fit_profile("disk_ckpt", 10, steady, failing, 100, 100)
+    p = fit.profile
+    assert fit.step_s == 0.01 and fit.failures == 2
+    assert p.save_s == pytest.approx(0.02) and p.interval_s == pytest.approx(0.1)
+    assert p.overhead == pytest.approx(0.5) and p.restart_s == pytest.approx(3.2)
+    # without an interval, a mechanism's per-step stall is overhead and its loss is measured
+    fit = fit_profile("redundant", None, steady, failing, 100, 100)
+    assert fit.profile.overhead == pytest.approx(0.7) and fit.profile.lost_s == pytest.approx(0.15)
+    with pytest.raises(RuntimeError, match="did not complete"):
+        bad = steady.model_copy(deep=True)
+        bad.trials[0].status = "failed"
+        fit_profile("disk_ckpt", 10, bad, failing, 100, 100)
+
+
+def test_predictions_of_the_model_and_of_the_simulator_with_the_same_failures() -> None:
+    from failbench_ray.reliability import Profile
+
+    fitted = Fitted(Profile("disk_ckpt", save_s=0.5, restart_s=3, interval_s=10), 0.01, 2)
+    got = predict(fitted, 50.0, 300.0, 4, (), runs=50, seed=1)
+    # no failure struck: the simulator plays only the saves
+    assert got["simulator_same_failures"] == pytest.approx(300 / (300 + 29 * 0.5))
+    assert 0.7 < got["model"] < got["simulator_same_failures"]
+    low, high = got["simulator_interval95"]
+    assert low <= got["simulator"] <= high
+    assert ranking_agrees({"a": 0.9, "b": 0.8}, {"a": 0.7, "b": 0.6})
+    assert not ranking_agrees({"a": 0.9, "b": 0.8}, {"a": 0.6, "b": 0.7})
+
+
+@pytest.mark.usefixtures("no_leaks")
+def test_validate_measures_ettr_under_poisson_failures_and_predicts_it(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    """Real runs: calibration (no failure, two failures), then 8 s of work with SIGKILLs every
+    4 s on average; the report has the measured ETTR with its breakdown and the predictions."""
+    db = Database(f"sqlite:///{tmp_path}/validate.db")
+    spec = parse_spec(SPEC)
+    lines: list[str] = []
+    opts = ValidateOptions(
+        mtbf_s=4.0, duration_s=8.0, mechanisms=("disk_ckpt",), seed=2, calibration_steps=30,
+        sim_runs=20,
+    )  # fmt: skip
+
+    def run(data: dict[str, Any]) -> ExperimentResult:
+        return run_experiment(parse_spec(data), db=db, out_dir=tmp_path / "runs")
+
+    try:
+        report = run_validate(spec, opts, run=run, say=lines.append)
+    finally:
+        db.dispose()
+    (m,) = report.mechanisms
+    assert m.error is None and m.measured_ettr is not None, m
+    assert 0 < m.measured_ettr < 1 and m.failures_struck >= 1
+    b = m.breakdown
+    parts = sum(v for k, v in b.items() if k not in ("wall_s", "useful_s"))
+    assert b["useful_s"] + parts == pytest.approx(b["wall_s"])
+    assert b["down_reform_s"] > 0  # a replacement was started for every death
+    assert m.measured_ettr == pytest.approx(b["useful_s"] / b["wall_s"])
+    for key in ("model", "simulator_same_failures", "simulator"):
+        assert 0 < m.predicted[key] < 1
+    assert set(m.experiments) == {"steady", "failures", "validation"}
+    assert len(set(m.experiments.values())) == 3  # the calibration runs are not the validation's
+    data = report.as_dict()
+    assert data["mechanisms"][0]["ettr"] == m.measured_ettr
+    assert lines[-1].startswith("disk_ckpt: measured ETTR ")
