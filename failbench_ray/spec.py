@@ -196,7 +196,7 @@ class FailureEvent(_Strict):
 class FailureTrace(_Strict):
     """The failure schedule of every trial (the baseline runs without it)."""
 
-    kind: str = Field("none", description="none, single, concurrent or cascading.")
+    kind: str = Field("none", description="none, single, concurrent, cascading or timed.")
     events: list[FailureEvent] = Field(default_factory=list)
 
     @model_validator(mode="before")
