@@ -34,6 +34,10 @@ Goals (each reported with the numbers measured, the goal, and whether it was met
 11. search (`bench/search.py`, issue 19): `failbench search` over every applicable pair of the
    paper matrix, 10 min (--quick) or 30 min: no window where recovery hangs, fails, loses data
    or breaks the oracle; each finding's smallest reproducing spec in the JSON.
+12. validation (`bench/validation.py`, issue 20): `failbench validate` on DDP under Poisson
+   SIGKILLs for disk_ckpt, inmem_replica and elastic: measured ETTR within 3 pp of the model's and
+   the simulator's prediction from separate calibration runs, the same ranking; the figure and
+   table in bench/validation/.
 
 Ray and the project's runner are imported inside functions: the plain loop's spawned processes
 import this module (it is `__main__`) and must not pay for Ray.
@@ -76,6 +80,7 @@ from bench.procs import ForeignCpu, wait_for_no_children
 from bench.reform import goal_reform, reform_text
 from bench.search import goal_search, search_text
 from bench.soak import goal_soak
+from bench.validation import goal_validation, validation_text
 
 if TYPE_CHECKING:
     from failbench_ray.results import ExperimentResult
@@ -691,6 +696,7 @@ _MECHANISM_TEXTS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
     ("reform", reform_text),
     ("detectors", detectors_text),
     ("search", search_text),
+    ("validation", validation_text),
     ("dcp_peer", _dcp_peer_text),
     ("metrics_overhead", _metrics_overhead_text),
     ("api_load", _api_load_text),
@@ -839,6 +845,13 @@ def _recovery_goal_rows(cfg: BenchConfig) -> list[_GoalRow]:
             "loses data or breaks the oracle (time-bounded)",
             True,
             lambda env: goal_search(env, cfg),
+        ),
+        (
+            "validation",
+            "failbench validate: measured ETTR within 3 pp of the model's and the simulator's "
+            "prediction from separate calibration runs, the same ranking",
+            True,
+            lambda env: goal_validation(env, cfg, REPO / "bench" / "validation"),
         ),
     ]
 
