@@ -357,11 +357,11 @@ def run_validate(
             )
             say(f"{name}: the validation run did not complete: {why}")
             continue
-        struck = tuple(
-            e["at_seconds"] for e in events[: len(trial.failures)]
-        )  # the times of the failures that struck (in order; later ones were cancelled)
+        # the simulator meets the same draws: those the run ended before are its too, if its
+        # run lasts longer
+        times = tuple(float(e["at_seconds"]) for e in events)
         predicted = predict(
-            fitted, opts.mtbf_s, steps * fitted.step_s, world, struck, opts.sim_runs, opts.seed
+            fitted, opts.mtbf_s, steps * fitted.step_s, world, times, opts.sim_runs, opts.seed
         )
         measured = float(extra["ettr"])
         m = MechanismValidation(
