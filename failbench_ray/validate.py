@@ -205,6 +205,7 @@ def predict(
     return {
         "model": model,
         "simulator_same_failures": same.ratio / slow,
+        "simulator_same_failures_struck": same.failures,
         "simulator": drawn.ratio / slow,
         "simulator_interval95": [drawn.job_low / slow, drawn.job_high / slow],
     }
