@@ -802,17 +802,8 @@ def _recommend(args: argparse.Namespace) -> int:
     )
     if answer["preset"]:
         out.print(f"failure rate: {answer['preset']}")
-    pol = answer["policy"]
-    if pol:
-        every = pol["checkpoint_interval_s"]
-        band = pol["ettr_interval95"]
-        out.print(
-            f"policy: {pol['mechanism']}"
-            + (f", a checkpoint every {every:.3g} s" if every else "")
-            + f", {pol['spares']} spare(s), hang timeout {pol['hang_timeout_s']:.3g} s; "
-            f"ETTR {100 * pol['ettr']:.1f}%"
-            + (f" (one job: {100 * band[0]:.1f}-{100 * band[1]:.1f}%, 95%)" if band else "")
-        )
+    if answer["policy"]:
+        out.print(_policy_line(answer["policy"]))
     for i, r in enumerate(answer["ranking"], 1):
         sim = r["simulated"]
         checked = f" (simulated {100 * sim['ettr']:.1f}%)" if sim else ""
@@ -831,6 +822,17 @@ def _recommend(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def _policy_line(pol: dict[str, Any]) -> str:
+    every, band = pol["checkpoint_interval_s"], pol["ettr_interval95"]
+    return (
+        f"policy: {pol['mechanism']}"
+        + (f", a checkpoint every {every:.3g} s" if every else "")
+        + f", {pol['spares']} spare(s), hang timeout {pol['hang_timeout_s']:.3g} s; "
+        f"ETTR {100 * pol['ettr']:.1f}%"
+        + (f" (one job: {100 * band[0]:.1f}-{100 * band[1]:.1f}%, 95%)" if band else "")
+    )
 
 
 def _list(args: argparse.Namespace) -> int:

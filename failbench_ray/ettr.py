@@ -27,6 +27,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from failbench_ray.records import FailureRecord, StepRecord
@@ -41,27 +42,52 @@ DOWN_PHASES = (
 )
 
 
-def measure(records: Sequence[StepRecord], failures: Sequence[FailureRecord]) -> dict[str, Any]:
-    """{"ettr": ..., "wall_s": ..., "useful_s": ..., "breakdown": {...}}; ettr None with no
-    records."""
-    if not records:
-        return {"ettr": None, "wall_s": None, "useful_s": None, "breakdown": {}, "steady": {}}
-    t0 = min(r.t_start for r in records)
-    t1 = max(r.t_end for r in records)
-    final_gen: dict[int, int] = {}
-    for r in records:
-        final_gen[r.step] = max(final_gen.get(r.step, r.generation), r.generation)
-    useful: dict[int, float] = {}
-    stall: dict[int, float] = {}
-    replayed: dict[tuple[int, int], float] = defaultdict(float)
-    for r in records:
-        took = r.t_end - r.t_start
-        if r.generation == final_gen[r.step]:
-            useful[r.step] = min(useful.get(r.step, took), took - r.blocked_s)
-            stall[r.step] = max(stall.get(r.step, 0.0), r.blocked_s)
-        else:
-            key = (r.step, r.generation)
-            replayed[key] = max(replayed[key], took)
+@dataclass
+class _Executions:
+    """Each step's final execution (useful time, stall, when it ended on every rank) and what
+    earlier executions, rolled back, took."""
+
+    final_gen: dict[int, int] = field(default_factory=dict)
+    useful: dict[int, float] = field(default_factory=dict)
+    stall: dict[int, float] = field(default_factory=dict)
+    done: dict[int, float] = field(default_factory=dict)
+    replayed: dict[tuple[int, int], float] = field(default_factory=lambda: defaultdict(float))
+
+    @classmethod
+    def of(cls, records: Sequence[StepRecord]) -> _Executions:
+        ex = cls()
+        for r in records:
+            ex.final_gen[r.step] = max(ex.final_gen.get(r.step, r.generation), r.generation)
+        for r in records:
+            took = r.t_end - r.t_start
+            if r.generation == ex.final_gen[r.step]:
+                ex.useful[r.step] = min(ex.useful.get(r.step, took), took - r.blocked_s)
+                ex.stall[r.step] = max(ex.stall.get(r.step, 0.0), r.blocked_s)
+                ex.done[r.step] = max(ex.done.get(r.step, r.t_end), r.t_end)
+            else:
+                key = (r.step, r.generation)
+                ex.replayed[key] = max(ex.replayed[key], took)
+        return ex
+
+    def steady(self) -> dict[str, float]:
+        """Robust to the first steps' warm-up: the median step, and the median wall time
+        between two consecutive counted steps of one generation beyond the later's own."""
+        gaps = [
+            self.done[s] - self.done[s - 1] - self.useful[s] - self.stall[s]
+            for s in sorted(self.done)
+            if s - 1 in self.done and self.final_gen[s - 1] == self.final_gen[s]
+        ]
+        return {
+            "step_s": statistics.median(self.useful.values()),
+            "gap_s": statistics.median(gaps) if gaps else 0.0,
+            "stall_s_per_step": sum(self.stall.values()) / len(self.stall),
+        }
+
+
+def _downtime(
+    records: Sequence[StepRecord], failures: Sequence[FailureRecord], t0: float
+) -> tuple[float, dict[str, float]]:
+    """The work in flight the failures took, and each recovery phase's total downtime."""
     ends = sorted(r.t_end for r in records)
     in_flight = 0.0
     down: dict[str, float] = {name: 0.0 for name, _, _ in DOWN_PHASES}
@@ -84,22 +110,21 @@ def measure(records: Sequence[StepRecord], failures: Sequence[FailureRecord]) ->
                 down[name] += max(0.0, cut - t_start)
                 reached = max(reached, cut)
         recovered_at = max(recovered_at, f.t_injected + reached)
-    wall = t1 - t0
-    useful_s = sum(useful.values())
-    # steady state, robust to the first steps' warm-up: the median step, and the median wall
-    # time between two consecutive counted steps of one generation beyond the later's own
-    done: dict[int, float] = {}  # step -> when its final execution ended on every rank
-    for r in records:
-        if r.generation == final_gen[r.step]:
-            done[r.step] = max(done.get(r.step, r.t_end), r.t_end)
-    gaps = [
-        done[s] - done[s - 1] - useful[s] - stall[s]
-        for s in sorted(done)
-        if s - 1 in done and final_gen[s - 1] == final_gen[s]
-    ]
+    return in_flight, down
+
+
+def measure(records: Sequence[StepRecord], failures: Sequence[FailureRecord]) -> dict[str, Any]:
+    """{"ettr", "wall_s", "useful_s", "breakdown", "steady"}; ettr None with no records."""
+    if not records:
+        return {"ettr": None, "wall_s": None, "useful_s": None, "breakdown": {}, "steady": {}}
+    t0 = min(r.t_start for r in records)
+    wall = max(r.t_end for r in records) - t0
+    ex = _Executions.of(records)
+    in_flight, down = _downtime(records, failures, t0)
+    useful_s = sum(ex.useful.values())
     breakdown = {
-        "checkpoint_stall_s": sum(stall.values()),
-        "replayed_s": sum(replayed.values()),
+        "checkpoint_stall_s": sum(ex.stall.values()),
+        "replayed_s": sum(ex.replayed.values()),
         "lost_in_flight_s": in_flight,
         **{f"down_{name}_s": s for name, s in down.items()},
     }
@@ -109,9 +134,5 @@ def measure(records: Sequence[StepRecord], failures: Sequence[FailureRecord]) ->
         "wall_s": wall,
         "useful_s": useful_s,
         "breakdown": breakdown,
-        "steady": {
-            "step_s": statistics.median(useful.values()),
-            "gap_s": statistics.median(gaps) if gaps else 0.0,
-            "stall_s_per_step": sum(stall.values()) / len(stall),
-        },
+        "steady": ex.steady(),
     }

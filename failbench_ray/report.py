@@ -477,6 +477,15 @@ _HOW = (
 )
 
 
+_REFORM_INTRO = (
+    "## Re-formation",
+    "Median seconds of each part, from `quiesced` to `reformed`: the replacements up, every "
+    "member at the store, every group connected, the first collective, the trainers built; "
+    "then the restore (to `restored`).",
+    "",
+)
+
+
 def write(db: Database, out: Path, sweep_id: str | None = None) -> dict[str, Any]:
     """Write report.md, report.html and the figures into `out`; returns what it wrote."""
     sweep, cells = gather(db, sweep_id)
@@ -507,11 +516,7 @@ def write(db: Database, out: Path, sweep_id: str | None = None) -> dict[str, Any
         *vs.markdown(),
         "## Cells",
         *markdown.table(head, body),
-        "## Re-formation",
-        "Median seconds of each part, from `quiesced` to `reformed`: the replacements up, every "
-        "member at the store, every group connected, the first collective, the trainers built; "
-        "then the restore (to `restored`).",
-        "",
+        *_REFORM_INTRO,
         *markdown.table(parts_head, parts_body),
         *kinds_md,
         *curves_md,

@@ -293,6 +293,37 @@ def _with(spec: ExperimentSpec, **changes: Any) -> dict[str, Any]:
     return data
 
 
+def calibrate(
+    base: ExperimentSpec, steps: int, run: Callable[[dict[str, Any]], ExperimentResult]
+) -> tuple[Fitted, dict[str, str]]:
+    """The two calibration runs of `base`'s mechanism (a seed of their own: never the
+    validation's data) and the costs fitted on them; RuntimeError if one did not complete."""
+    name, world = base.mechanism.name, base.world_size
+    seed = base.seed + CALIBRATION_SEED_OFFSET
+    steady = run(_with(base, name=f"calibrate {name}: steady", steps=steps, seed=seed))
+    two = [
+        {"ranks": [world - 1], "at_step": steps // 3},
+        {"ranks": [min(1, world - 1)], "at_step": 2 * steps // 3 + 1},
+    ]
+    failing = run(
+        _with(
+            base, name=f"calibrate {name}: failures", steps=steps, seed=seed,
+            failures={"kind": "cascading", "events": two},
+        )
+    )  # fmt: skip
+    ids = {"steady": steady.experiment_id, "failures": failing.experiment_id}
+    try:
+        return fit_profile(name, _interval(base), steady, failing, steps, steps), ids
+    except RuntimeError as err:
+        raise CalibrationFailed(str(err), ids) from None
+
+
+class CalibrationFailed(RuntimeError):
+    def __init__(self, message: str, ids: dict[str, str]) -> None:
+        super().__init__(message)
+        self.ids = ids
+
+
 def run_validate(
     spec: ExperimentSpec,
     opts: ValidateOptions,
@@ -308,74 +339,70 @@ def run_validate(
     report = ValidationReport(
         spec.architecture.name, opts.mtbf_s, opts.duration_s, opts.seed, dict(opts.mix)
     )
-    world, cal_steps = spec.world_size, opts.calibration_steps
-    events = poisson_events(opts.mtbf_s, HORIZON * opts.duration_s, world, opts.mix, opts.seed)
-    cal_seed = spec.seed + CALIBRATION_SEED_OFFSET
+    events = poisson_events(
+        opts.mtbf_s, HORIZON * opts.duration_s, spec.world_size, opts.mix, opts.seed
+    )
     for name in names:
-        mech = {"name": name}
-        if name == spec.mechanism.name:
-            mech = spec.mechanism.model_dump(mode="json")
+        mech = spec.mechanism.model_dump(mode="json") if name == spec.mechanism.name else name
         base = parse_spec(_with(spec, mechanism=mech, failures={"kind": "none"}))
-        interval = _interval(base)
-        steady = run(_with(base, name=f"calibrate {name}: steady", steps=cal_steps, seed=cal_seed))
-        failing_trace = {
-            "kind": "cascading",
-            "events": [
-                {"ranks": [world - 1], "at_step": cal_steps // 3},
-                {"ranks": [min(1, world - 1)], "at_step": 2 * cal_steps // 3 + 1},
-            ],
-        }
-        failing = run(
-            _with(
-                base, name=f"calibrate {name}: failures", steps=cal_steps, seed=cal_seed,
-                failures=failing_trace,
-            )
-        )  # fmt: skip
-        ids = {"steady": steady.experiment_id, "failures": failing.experiment_id}
         try:
-            fitted = fit_profile(name, interval, steady, failing, cal_steps, cal_steps)
-        except RuntimeError as err:
-            report.mechanisms.append(MechanismValidation(name, None, 0, {}, {}, {}, ids, str(err)))
+            fitted, ids = calibrate(base, opts.calibration_steps, run)
+        except CalibrationFailed as err:
+            report.mechanisms.append(
+                MechanismValidation(name, None, 0, {}, {}, {}, err.ids, str(err))
+            )
             say(f"{name}: {err}")
             continue
-        slow = 1.0 + fitted.profile.overhead
-        steps = max(cal_steps, round(opts.duration_s / (fitted.step_s * slow)))
-        valid = run(
-            _with(
-                base, name=f"validate {name}", steps=steps,
-                failures={"kind": "timed", "events": events},
-            )
-        )  # fmt: skip
-        ids["validation"] = valid.experiment_id
-        trial = valid.trials[0] if valid.trials else None
-        extra = (trial.model_extra or {}) if trial is not None else {}
-        costs = {**asdict(fitted.profile), "step_s": fitted.step_s, "notes": list(fitted.notes)}
-        costs.pop("fallback", None)
-        if trial is None or trial.status != "completed" or extra.get("ettr") is None:
-            why = trial.error if trial is not None else valid.status
-            report.mechanisms.append(
-                MechanismValidation(name, None, 0, {}, {}, costs, ids, f"validation run: {why}")
-            )
-            say(f"{name}: the validation run did not complete: {why}")
-            continue
-        # the simulator meets the same draws: those the run ended before are its too, if its
-        # run lasts longer
-        times = tuple(float(e["at_seconds"]) for e in events)
-        predicted = predict(
-            fitted, opts.mtbf_s, steps * fitted.step_s, world, times, opts.sim_runs, opts.seed
-        )
-        measured = float(extra["ettr"])
-        m = MechanismValidation(
-            name, measured, len(trial.failures), dict(extra["ettr_breakdown"]), predicted,
-            costs, ids,
-        )  # fmt: skip
+        m = _validate_one(base, fitted, ids, events, opts, run)
         report.mechanisms.append(m)
-        say(
-            f"{name}: measured ETTR {100 * measured:.1f}% ({m.failures_struck} failures); "
-            f"model {100 * predicted['model']:.1f}%, simulator with the same failures "
-            f"{100 * predicted['simulator_same_failures']:.1f}%"
-        )
+        say(_said(m))
     return report
+
+
+def _validate_one(
+    base: ExperimentSpec,
+    fitted: Fitted,
+    ids: dict[str, str],
+    events: list[dict[str, Any]],
+    opts: ValidateOptions,
+    run: Callable[[dict[str, Any]], ExperimentResult],
+) -> MechanismValidation:
+    """The validation run of one calibrated mechanism, measured, and its predictions."""
+    name = base.mechanism.name
+    slow = 1.0 + fitted.profile.overhead
+    steps = max(opts.calibration_steps, round(opts.duration_s / (fitted.step_s * slow)))
+    timed = {"kind": "timed", "events": events}
+    valid = run(_with(base, name=f"validate {name}", steps=steps, failures=timed))
+    ids = {**ids, "validation": valid.experiment_id}
+    trial = valid.trials[0] if valid.trials else None
+    extra = (trial.model_extra or {}) if trial is not None else {}
+    costs = {**asdict(fitted.profile), "step_s": fitted.step_s, "notes": list(fitted.notes)}
+    costs.pop("fallback", None)
+    if trial is None or trial.status != "completed" or extra.get("ettr") is None:
+        why = trial.error if trial is not None else valid.status
+        return MechanismValidation(name, None, 0, {}, {}, costs, ids, f"validation run: {why}")
+    # the simulator meets the same draws: those the run ended before are its too, if its run
+    # lasts longer
+    times = tuple(float(e["at_seconds"]) for e in events)
+    work_s = steps * fitted.step_s
+    predicted = predict(
+        fitted, opts.mtbf_s, work_s, base.world_size, times, opts.sim_runs, opts.seed
+    )
+    return MechanismValidation(
+        name, float(extra["ettr"]), len(trial.failures), dict(extra["ettr_breakdown"]),
+        predicted, costs, ids,
+    )  # fmt: skip
+
+
+def _said(m: MechanismValidation) -> str:
+    if m.measured_ettr is None:
+        return f"{m.mechanism}: {m.error}"
+    p = m.predicted
+    return (
+        f"{m.mechanism}: measured ETTR {100 * m.measured_ettr:.1f}% ({m.failures_struck} "
+        f"failures); model {100 * p['model']:.1f}%, simulator with the same failures "
+        f"{100 * p['simulator_same_failures']:.1f}%"
+    )
 
 
 def markdown_report(report: ValidationReport, figure: str | None) -> list[str]:
