@@ -300,6 +300,10 @@ def test_recommend_answers_like_the_cli_and_refuses_bad_questions(api: httpx.Cli
     body = r.json()
     assert body["ranking"][0]["ettr"] >= body["ranking"][-1]["ettr"]
     assert body["question"]["world"] == 64
+    policy = body["policy"]  # issue 20: what to set, with the ETTR to expect
+    assert policy["mechanism"] == body["ranking"][0]["mechanism"]
+    assert policy["ettr"] == body["ranking"][0]["ettr"] and len(policy["ettr_interval95"]) == 2
+    assert policy["spares"] >= 0 and policy["hang_timeout_s"] >= 1.5
     for bad, says in [
         ({**q, "world": 1}, "--world must be at least 2"),
         ({**q, "mtbf_hours": 0}, "--mtbf-hours must be at least 0.001"),
