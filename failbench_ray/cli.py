@@ -105,6 +105,12 @@ def _add_validate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     val.add_argument(
         "--calibration-steps", type=int, default=40, help="steps of each calibration run (40)"
     )
+    val.add_argument(
+        "--calibration-s",
+        type=float,
+        default=12.0,
+        help="the failing calibration run trains at least this long, s (12)",
+    )
     val.add_argument("--sim-runs", type=int, default=200, help="seeded simulator runs (200)")
     val.add_argument("--db", help=_DB_HELP)
     val.add_argument(
@@ -346,6 +352,8 @@ def _validate(args: argparse.Namespace) -> int:
 
     if args.calibration_steps < 10:
         raise _usage(f"--calibration-steps {args.calibration_steps}: give 10 or more")
+    if not args.calibration_s > 0:
+        raise _usage(f"--calibration-s {args.calibration_s:g}: give a positive number of seconds")
     if args.sim_runs < 1:
         raise _usage(f"--sim-runs {args.sim_runs}: give 1 or more")
     spec = load_spec(args.spec)
@@ -356,6 +364,7 @@ def _validate(args: argparse.Namespace) -> int:
         seed=args.seed,
         mix=validate.parse_mix(args.mix),
         calibration_steps=args.calibration_steps,
+        calibration_s=args.calibration_s,
         sim_runs=args.sim_runs,
     )
     validate.check_options(spec, opts)  # bad input: one line, before anything starts

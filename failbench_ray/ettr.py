@@ -14,7 +14,8 @@ The rest of W, in `breakdown` (seconds): `checkpoint_stall_s` (the counted steps
 `replayed_s` (executions a rollback threw away, each its longest record), `lost_in_flight_s`
 (from the end of the last step done before a failure to the failure: work that died with it),
 `down_<phase>_s` (each recovery phase, from the failure records: to detection, quiesce,
-re-formation, restore, resume), and `other_s` (what none of these explain: the first steps after
+re-formation, restore, resume; and an elastic group's regrow, when training stops to take the
+grown ranks back), and `other_s` (what none of these explain: the first steps after
 a recovery catching up, a smaller group training, gaps between steps; overlaps make it negative).
 `steady`: the median step's useful time, the median gap between two consecutive steps beyond
 it (the driver's and the collectives' share), and the stall per step: what a calibration run
@@ -40,6 +41,8 @@ DOWN_PHASES = (
     ("restore", "reformed", "restored"),
     ("resume", "restored", "resumed"),
 )
+# An elastic group's second pause per failure: training stops to take the grown ranks back.
+REGROW = ("regrow", "regrowing", "grown")
 
 
 @dataclass
@@ -90,9 +93,10 @@ def _downtime(
     """The work in flight the failures took, and each recovery phase's total downtime."""
     ends = sorted(r.t_end for r in records)
     in_flight = 0.0
-    down: dict[str, float] = {name: 0.0 for name, _, _ in DOWN_PHASES}
+    down: dict[str, float] = {name: 0.0 for name, _, _ in (*DOWN_PHASES, REGROW)}
     injected_at = {f.index: f.t_injected for f in failures}
     recovered_at = t0  # when the last recovery before this failure was through
+    pauses: set[tuple[float, float]] = set()
     for f in sorted(failures, key=lambda f: f.t_injected):
         before = [t for t in ends if t <= f.t_injected]
         if before:
@@ -110,6 +114,10 @@ def _downtime(
                 down[name] += max(0.0, cut - t_start)
                 reached = max(reached, cut)
         recovered_at = max(recovered_at, f.t_injected + reached)
+        began, grown = f.phases.get(REGROW[1]), f.phases.get(REGROW[2])
+        if began is not None and grown is not None:
+            pauses.add((f.t_injected + began, f.t_injected + grown))  # one regrow takes many
+    down[REGROW[0]] = sum(max(0.0, end - start) for start, end in pauses)
     return in_flight, down
 
 

@@ -45,6 +45,9 @@ class ValidateOptions:
     seed: int = 0
     mix: dict[str, float] = field(default_factory=lambda: {"sigkill": 1.0})
     calibration_steps: int = 40
+    # The failing calibration run lasts at least this long (seconds of training), so that what a
+    # failure sets off later (an elastic group growing back) happens inside it.
+    calibration_s: float = 12.0
     sim_runs: int = 200
 
 
@@ -162,8 +165,10 @@ def fit_profile(
         save_s = 0.0
         overhead = (gap_s + calm["stall_s_per_step"]) / step_s
     down = sum(v for key, v in fb.items() if key.startswith("down_"))
-    # what the failing run lost beyond its downtime and steady gaps (warm-up, catching up)
-    extra = fb["other_s"] - (ff["other_s"] / steps_steady) * steps_failing
+    # what the failing run lost beyond its downtime, its warm-up (the steady run's unexplained
+    # time beyond its gaps) and its own gaps: catching up after a recovery, a smaller group
+    warm_up = ff["other_s"] - gap_s * steps_steady
+    extra = fb["other_s"] - warm_up - gap_s * steps_failing
     k = max(k, 1)
     restart_s = (down + max(0.0, extra)) / k
     lost_s = (fb["replayed_s"] + fb["lost_in_flight_s"]) / k
@@ -329,26 +334,34 @@ def _with(spec: ExperimentSpec, **changes: Any) -> dict[str, Any]:
 
 
 def calibrate(
-    base: ExperimentSpec, steps: int, run: Callable[[dict[str, Any]], ExperimentResult]
+    base: ExperimentSpec,
+    steps: int,
+    least_s: float,
+    run: Callable[[dict[str, Any]], ExperimentResult],
 ) -> tuple[Fitted, dict[str, str]]:
     """The two calibration runs of `base`'s mechanism (a seed of their own: never the
-    validation's data) and the costs fitted on them; RuntimeError if one did not complete."""
+    validation's data) and the costs fitted on them: `steps` with no failure, then two
+    failures in a run of at least `least_s` seconds of training. CalibrationFailed if one did
+    not complete."""
     name, world = base.mechanism.name, base.world_size
     seed = base.seed + CALIBRATION_SEED_OFFSET
     steady = run(_with(base, name=f"calibrate {name}: steady", steps=steps, seed=seed))
-    two = [
-        {"ranks": [world - 1], "at_step": steps // 3},
-        {"ranks": [min(1, world - 1)], "at_step": 2 * steps // 3 + 1},
-    ]
-    failing = run(
-        _with(
-            base, name=f"calibrate {name}: failures", steps=steps, seed=seed,
-            failures={"kind": "cascading", "events": two},
-        )
-    )  # fmt: skip
-    ids = {"steady": steady.experiment_id, "failures": failing.experiment_id}
+    ids = {"steady": steady.experiment_id}
     try:
-        return fit_profile(name, _interval(base), steady, failing, steps, steps), ids
+        wall = _breakdown(steady)[0]["wall_s"]
+        long = max(steps, math.ceil(least_s / (wall / steps)))
+        two = [
+            {"ranks": [world - 1], "at_step": long // 3},
+            {"ranks": [min(1, world - 1)], "at_step": 2 * long // 3 + 1},
+        ]
+        failing = run(
+            _with(
+                base, name=f"calibrate {name}: failures", steps=long, seed=seed,
+                failures={"kind": "cascading", "events": two},
+            )
+        )  # fmt: skip
+        ids["failures"] = failing.experiment_id
+        return fit_profile(name, _interval(base), steady, failing, steps, long), ids
     except RuntimeError as err:
         raise CalibrationFailed(str(err), ids) from None
 
@@ -381,7 +394,7 @@ def run_validate(
         mech = spec.mechanism.model_dump(mode="json") if name == spec.mechanism.name else name
         base = parse_spec(_with(spec, mechanism=mech, failures={"kind": "none"}))
         try:
-            fitted, ids = calibrate(base, opts.calibration_steps, run)
+            fitted, ids = calibrate(base, opts.calibration_steps, opts.calibration_s, run)
         except CalibrationFailed as err:
             report.mechanisms.append(
                 MechanismValidation(name, None, 0, {}, {}, {}, err.ids, str(err))

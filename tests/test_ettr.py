@@ -62,3 +62,14 @@ def test_a_failure_during_a_recovery_is_not_counted_as_work_in_flight() -> None:
 
 def test_no_records_no_ettr() -> None:
     assert measure([], [])["ettr"] is None
+
+
+def test_an_elastic_regrow_is_downtime_once_however_many_failures_it_takes_back() -> None:
+    records = [step(0, n, 0, n - 1.0, 1.0) for n in range(1, 4)]
+    records += [step(0, n, 1, n + 1.0, 1.0) for n in range(4, 7)]  # a 1 s regrow at t=3..4
+    first = FailureRecord(0, [1], "sigkill", "t=0.5s", 1, 0.5)
+    second = FailureRecord(1, [2], "sigkill", "t=1.5s", 2, 1.5)
+    for f in (first, second):
+        f.phases.update(regrowing=3.0 - f.t_injected, grown=4.0 - f.t_injected)
+    b = measure(records, [first, second])["breakdown"]
+    assert b["down_regrow_s"] == pytest.approx(1.0)

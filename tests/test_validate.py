@@ -193,6 +193,7 @@ def test_validate_measures_ettr_under_poisson_failures_and_predicts_it(
     lines: list[str] = []
     opts = ValidateOptions(
         mtbf_s=4.0, duration_s=6.0, mechanisms=("disk_ckpt",), seed=5, calibration_steps=30,
+        calibration_s=1.0,
         sim_runs=20,
     )  # fmt: skip
 

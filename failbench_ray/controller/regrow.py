@@ -32,6 +32,12 @@ class Growth:
         grown, self.starting = self.starting, {}
         return grown
 
+    def regrowing(self, t: float) -> None:
+        """Training stops to take the grown ranks in: the pause the failures cost a second
+        time (`ettr` counts it as downtime, `grown` minus this)."""
+        for f in self.failures:
+            f.phases.setdefault("regrowing", t - f.t_injected)
+
     def grown(self, t: float) -> None:
         """The grown ranks hold the group's state: the failures that dropped them end here."""
         for f in self.failures:

@@ -309,6 +309,7 @@ class Regrowing(TrialState):
     name = "regrowing"
 
     def run(self, t: Trial) -> TrialState:
+        t.growth.regrowing(time.time())
         t.phase("regrowing")
         group = t.workers
         for h in group.handles.values():
