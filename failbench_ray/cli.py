@@ -6,10 +6,11 @@ Bad input exits with code 2 and one line on stderr, before any actor starts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -344,11 +345,31 @@ def _run(args: argparse.Namespace) -> int:
 _LOST_DB_WAIT_S = 300.0
 
 
+@contextlib.contextmanager
+def _ray_session(args: argparse.Namespace) -> Iterator[Any]:
+    """The database and a Ray cluster (joined, or started and ended here) for a command that
+    runs many experiments; Ray's messages go to stderr meanwhile, not into the report."""
+    from failbench_ray import runtime
+    from failbench_ray.storage.db import Database
+
+    db = Database(args.db)
+    started = runtime.connect(args.ray_address)
+    result_out, sys.stdout = sys.stdout, sys.stderr
+    try:
+        yield db
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+        db.dispose()
+        sys.stdout = result_out
+
+
 def _validate(args: argparse.Namespace) -> int:
-    from failbench_ray import runtime, validate
+    from failbench_ray import validate
     from failbench_ray.runner import run_experiment
     from failbench_ray.spec import load_spec, parse_spec
-    from failbench_ray.storage.db import Database
 
     if args.calibration_steps < 10:
         raise _usage(f"--calibration-steps {args.calibration_steps}: give 10 or more")
@@ -368,23 +389,13 @@ def _validate(args: argparse.Namespace) -> int:
         sim_runs=args.sim_runs,
     )
     validate.check_options(spec, opts)  # bad input: one line, before anything starts
-    db = Database(args.db)
-    started = runtime.connect(args.ray_address)
-    result_out, sys.stdout = sys.stdout, sys.stderr  # Ray's messages: not the report
-    try:
+    with _ray_session(args) as db:
         report = validate.run_validate(
             spec,
             opts,
             run=lambda data: run_experiment(parse_spec(data), db=db, out_dir=args.out / "runs"),
             say=lambda line: err.print(line, markup=False),
         )
-    finally:
-        if started:
-            import ray
-
-            ray.shutdown()
-        db.dispose()
-        sys.stdout = result_out
     args.out.mkdir(parents=True, exist_ok=True)
     data = report.as_dict()
     (args.out / "validation.json").write_text(json.dumps(data, indent=2))
@@ -400,10 +411,8 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _search(args: argparse.Namespace) -> int:
-    from failbench_ray import runtime
     from failbench_ray.search import SearchOptions, run_search
     from failbench_ray.spec import load_spec
-    from failbench_ray.storage.db import Database
     from injector.kill_kinds import KILL_KINDS
 
     if args.random < 0:
@@ -412,10 +421,7 @@ def _search(args: argparse.Namespace) -> int:
         raise _usage(f"--time-limit-s {args.time_limit_s:g}: give a positive number of seconds")
     KILL_KINDS.get(args.kill)  # an unknown kind: one line naming the valid ones
     spec = load_spec(args.spec)
-    db = Database(args.db)
-    started = runtime.connect(args.ray_address)
-    result_out, sys.stdout = sys.stdout, sys.stderr  # Ray's messages: not the report
-    try:
+    with _ray_session(args) as db:
         report = run_search(
             spec,
             db=db,
@@ -430,13 +436,6 @@ def _search(args: argparse.Namespace) -> int:
             ),
             say=lambda line: err.print(line, markup=False),
         )
-    finally:
-        if started:
-            import ray
-
-            ray.shutdown()
-        db.dispose()
-        sys.stdout = result_out
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))
         return EXIT_FAILED if report.findings() else EXIT_OK
