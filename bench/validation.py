@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.common import log, with_status
+from bench.common import REPO, log, with_status
 
 if TYPE_CHECKING:
     from bench.common import BenchConfig, Env
@@ -20,15 +20,11 @@ SHAPE = {True: (15.0, 60.0), False: (20.0, 240.0)}
 
 
 def job() -> dict[str, Any]:
-    return {
-        "name": "bench-validate",
-        "architecture": "ddp",
-        "world_size": 4,
-        "model": {"kind": "mlp", "input_dim": 64, "hidden_dim": 256, "depth": 3},
-        "steps": 100,
-        "batch_size": 64,
-        "mechanism": {"name": "disk_ckpt", "params": {"interval": 20}},
-    }
+    """The job docs/validation measures (one source for both)."""
+    import yaml
+
+    data: dict[str, Any] = yaml.safe_load((REPO / "examples" / "validate.yaml").read_text())
+    return {**data, "name": "bench-validate"}
 
 
 def goal_validation(env: Env, cfg: BenchConfig, out_dir: Path) -> dict[str, Any]:
@@ -38,8 +34,8 @@ def goal_validation(env: Env, cfg: BenchConfig, out_dir: Path) -> dict[str, Any]
 
     mtbf_s, duration_s = SHAPE[cfg.quick]
     opts = validate.ValidateOptions(
-        mtbf_s=mtbf_s, duration_s=duration_s, mechanisms=MECHANISMS, seed=0, calibration_steps=60
-    )
+        mtbf_s=mtbf_s, duration_s=duration_s, mechanisms=MECHANISMS, seed=0, calibration_steps=100
+    )  # the command in examples/validate.yaml
     report = validate.run_validate(
         parse_spec(job()),
         opts,
