@@ -159,7 +159,8 @@ def fit_profile(
     if periodic:
         assert interval is not None
         saves = max(1, steps_steady // interval)
-        save_s = ff["checkpoint_stall_s"] / saves
+        # a save's median blocking: the first saves of a run are slower (files, buffers)
+        save_s = calm.get("stall_s_median") or ff["checkpoint_stall_s"] / saves
         overhead = gap_s / step_s
     else:
         save_s = 0.0
