@@ -73,3 +73,16 @@ def test_an_elastic_regrow_is_downtime_once_however_many_failures_it_takes_back(
         f.phases.update(regrowing=3.0 - f.t_injected, grown=4.0 - f.t_injected)
     b = measure(records, [first, second])["breakdown"]
     assert b["down_regrow_s"] == pytest.approx(1.0)
+
+
+def test_a_saves_cost_is_the_median_of_the_steps_that_saved() -> None:
+    # every 5th step saves (the first save 0.5 s, the others 0.1 s); the rest block 0.1 ms
+    records = []
+    t = 0.0
+    for n in range(1, 21):
+        blocked = (0.5 if n == 5 else 0.1) if n % 5 == 0 else 1e-4
+        records.append(step(0, n, 0, t, 1.0 + blocked, blocked))
+        t += 1.0 + blocked
+    steady = measure(records, [])["steady"]
+    assert steady["stall_s_median"] == pytest.approx(0.1)
+    assert steady["step_s"] == pytest.approx(1.0)
