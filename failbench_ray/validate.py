@@ -149,18 +149,22 @@ def fit_profile(
     steps_steady: int,
     steps_failing: int,
 ) -> Fitted:
-    """Costs from the two calibration runs: `steady` (no failure) gives the step time, what a
-    save blocks and the steady overhead; `failing` gives each failure's downtime and lost work
-    (its extra unexplained time, e.g. a slow first step after a recovery, is downtime too)."""
+    """Costs from the two calibration runs: `steady` (no failure) gives the step time and the
+    steady overhead; `failing` gives each failure's downtime and lost work (its extra
+    unexplained time, e.g. a slow first step after a recovery, is downtime too), and, being the
+    longer run, what a save blocks (the median: a run's first saves are slower)."""
     ff, calm, _ = _breakdown(steady)
-    fb, _, k = _breakdown(failing)
+    fb, long_calm, k = _breakdown(failing)
     step_s, gap_s = calm["step_s"], calm["gap_s"]
     periodic = interval is not None and mechanism != "none"
     if periodic:
         assert interval is not None
         saves = max(1, steps_steady // interval)
-        # a save's median blocking: the first saves of a run are slower (files, buffers)
-        save_s = calm.get("stall_s_median") or ff["checkpoint_stall_s"] / saves
+        save_s = (
+            long_calm.get("stall_s_median")
+            or calm.get("stall_s_median")
+            or ff["checkpoint_stall_s"] / saves
+        )
         overhead = gap_s / step_s
     else:
         save_s = 0.0

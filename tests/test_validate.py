@@ -139,9 +139,12 @@ def test_costs_come_from_the_calibration_runs() -> None:
     assert fit.step_s == 0.01 and fit.failures == 2
     assert p.save_s == pytest.approx(0.02) and p.interval_s == pytest.approx(0.1)
     assert p.overhead == pytest.approx(0.5) and p.restart_s == pytest.approx(3.2)
-    # where the steady run says what a save blocks at the median, that is its cost
+    # where a run says what a save blocks at the median, that is its cost: the longer
+    # (failing) run's first
     steady.trials[0].model_extra["ettr_steady"]["stall_s_median"] = 0.015  # type: ignore[index]
     assert fit_profile("disk_ckpt", 10, steady, failing, 100, 100).profile.save_s == 0.015
+    failing.trials[0].model_extra["ettr_steady"]["stall_s_median"] = 0.012  # type: ignore[index]
+    assert fit_profile("disk_ckpt", 10, steady, failing, 100, 100).profile.save_s == 0.012
     # without an interval, a mechanism's per-step stall is overhead and its loss is measured
     fit = fit_profile("redundant", None, steady, failing, 100, 100)
     assert fit.profile.overhead == pytest.approx(0.7) and fit.profile.lost_s == pytest.approx(0.15)
