@@ -9,8 +9,9 @@ For each mechanism:
    seeded Poisson process in wall time (exponential gaps of mean S; rank uniform, kind drawn from
    `--mix`): a `timed` trace. Its measured ETTR and breakdown are the truth;
 3. prediction from the calibrated costs: the model (`reliability`, Daly with the mechanism's own
-   interval) and the simulator (`simulator`), once playing the very failure times the run had,
-   once over `sim_runs` seeded Poisson draws (its mean and 95% interval).
+   interval), over the Poisson process and for the number of failures the run met; and the
+   simulator (`simulator`), once playing the very failure times drawn for the run, once over
+   `sim_runs` seeded Poisson draws (its mean, and where 95% of jobs fall).
 
 The report: per mechanism, measured against predicted ETTR, the absolute error in percentage
 points, and whether the mechanisms rank the same way. Pure parts (`poisson_events`,
