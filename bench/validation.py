@@ -28,7 +28,7 @@ def job() -> dict[str, Any]:
 
 
 def goal_validation(env: Env, cfg: BenchConfig, out_dir: Path) -> dict[str, Any]:
-    from failbench_ray import validate
+    from failbench_ray import validate, validate_report
     from failbench_ray.runner import run_experiment
     from failbench_ray.spec import parse_spec
 
@@ -43,8 +43,8 @@ def goal_validation(env: Env, cfg: BenchConfig, out_dir: Path) -> dict[str, Any]
         say=log,
     )
     out_dir.mkdir(parents=True, exist_ok=True)
-    png = validate.figure(report, out_dir / "validation.png")
-    (out_dir / "validation.md").write_text("\n".join(validate.markdown_report(report, png)))
+    png = validate_report.figure(report, out_dir / "validation.png")
+    (out_dir / "validation.md").write_text("\n".join(validate_report.markdown_report(report, png)))
     data = report.as_dict()
     agree = data["agreement"]
     met = all(

@@ -113,6 +113,13 @@ def _add_validate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="the failing calibration run trains at least this long, s (12)",
     )
     val.add_argument("--sim-runs", type=int, default=200, help="seeded simulator runs (200)")
+    val.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="validation runs per mechanism, each its own failure draw (seeds --seed, +1, ...): "
+        "their mean is held against the Poisson predictions, with its 95%% interval (1)",
+    )
     val.add_argument("--db", help=_DB_HELP)
     val.add_argument(
         "--out", type=Path, default=Path("validate"), help="validation.md, .png, .json go here"
@@ -367,7 +374,7 @@ def _ray_session(args: argparse.Namespace) -> Iterator[Any]:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from failbench_ray import validate
+    from failbench_ray import validate, validate_report
     from failbench_ray.runner import run_experiment
     from failbench_ray.spec import load_spec, parse_spec
 
@@ -387,6 +394,7 @@ def _validate(args: argparse.Namespace) -> int:
         calibration_steps=args.calibration_steps,
         calibration_s=args.calibration_s,
         sim_runs=args.sim_runs,
+        runs=args.runs,
     )
     validate.check_options(spec, opts)  # bad input: one line, before anything starts
     with _ray_session(args) as db:
@@ -399,8 +407,8 @@ def _validate(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     data = report.as_dict()
     (args.out / "validation.json").write_text(json.dumps(data, indent=2))
-    png = validate.figure(report, args.out / "validation.png") if report.mechanisms else None
-    md = validate.markdown_report(report, png)
+    png = validate_report.figure(report, args.out / "validation.png") if report.mechanisms else None
+    md = validate_report.markdown_report(report, png)
     (args.out / "validation.md").write_text("\n".join(md))
     if args.json:
         print(json.dumps(data, indent=2))

@@ -24,7 +24,6 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from failbench_ray.errors import UsageError
@@ -50,6 +49,9 @@ class ValidateOptions:
     # failure sets off later (an elastic group growing back) happens inside it.
     calibration_s: float = 12.0
     sim_runs: int = 200
+    # validation runs per mechanism, each its own Poisson draw (seeds seed, seed+1, ...): the
+    # mean of several can be held against the expectation over the failure process
+    runs: int = 1
 
 
 def parse_mix(text: str) -> dict[str, float]:
@@ -79,6 +81,8 @@ def check_options(spec: ExperimentSpec, opts: ValidateOptions) -> tuple[str, ...
             f"--duration-s {opts.duration_s:g} is shorter than --mtbf-s {opts.mtbf_s:g}: a run "
             "must expect at least one failure; give a duration of at least the MTBF"
         )
+    if opts.runs < 1:
+        raise UsageError(f"--runs {opts.runs}: give 1 or more validation runs per mechanism")
     if not opts.mix:
         raise UsageError("--mix is empty: give kind=weight pairs, e.g. sigkill=0.8,hang=0.2")
     for name, weight in opts.mix.items():
@@ -203,24 +207,51 @@ def predict(
     runs: int,
     seed: int,
 ) -> dict[str, Any]:
-    """ETTR predicted for `work_s` of failure-free work: the model over Poisson failures of
-    mean `mtbf_s` and with the `struck` failures the measured run had; the simulator once with
-    the failure `times` drawn for the run, once over `runs` draws (its mean and where 95% of
+    """ETTR predicted for `work_s` of failure-free work: over Poisson failures of mean `mtbf_s`
+    (`predict_poisson`) and for one run's failures (`predict_run`)."""
+    return {
+        **predict_poisson(fitted, mtbf_s, work_s, world, runs, seed),
+        **predict_run(fitted, mtbf_s, work_s, world, times, struck, seed),
+    }
+
+
+def predict_poisson(
+    fitted: Fitted, mtbf_s: float, work_s: float, world: int, runs: int, seed: int
+) -> dict[str, Any]:
+    """The model's expectation over Poisson failures of mean `mtbf_s` (Daly with the
+    mechanism's interval), and the simulator's over `runs` draws (its mean, and where 95% of
     jobs fall). Both already slow the work by the profile's overhead."""
     p = fitted.profile
     if p.mechanism == "none":
         model = no_checkpoint_ratio(work_s, p.restart_s, mtbf_s) / (1 + p.overhead)
     else:
         model = expected_ratio(p, mtbf_s)
-    same = simulate(p, Failures(mtbf_s, schedule=times), work_s, world, seed)
     drawn = summarize(p, Failures(mtbf_s), work_s, world, runs=runs, seed=seed)
     return {
         "model": model,
+        "simulator": drawn.ratio,
+        "simulator_interval95": [drawn.job_low, drawn.job_high],
+    }
+
+
+def predict_run(
+    fitted: Fitted,
+    mtbf_s: float,
+    work_s: float,
+    world: int,
+    times: tuple[float, ...],
+    struck: int,
+    seed: int,
+) -> dict[str, Any]:
+    """For the failures one run met: the model with its `struck` failures, the simulator
+    playing the very failure `times` drawn for it (those the run ended before are the
+    simulator's too, should its job last longer)."""
+    p = fitted.profile
+    same = simulate(p, Failures(mtbf_s, schedule=times), work_s, world, seed)
+    return {
         "model_same_failures": ratio_with_failures(p, work_s, struck),
         "simulator_same_failures": same.ratio,
         "simulator_same_failures_struck": same.failures,
-        "simulator": drawn.ratio,
-        "simulator_interval95": [drawn.job_low, drawn.job_high],
     }
 
 
@@ -260,24 +291,107 @@ def ranking_agrees(
 
 
 PREDICTIONS = ("model", "model_same_failures", "simulator_same_failures", "simulator")
+# the predictions for the failures one run met: each run has its own, the mechanism their mean
+PER_RUN = ("model_same_failures", "simulator_same_failures")
+
+
+@dataclass
+class RunValidation:
+    """One validation run: its own Poisson draw (seed), what it measured, and the predictions
+    for the failures it met."""
+
+    seed: int
+    experiment: str
+    ettr: float | None
+    failures_struck: int = 0
+    breakdown: dict[str, float] = field(default_factory=dict)
+    predicted: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
 
 
 @dataclass
 class MechanismValidation:
     mechanism: str
-    measured_ettr: float | None
-    failures_struck: int
-    breakdown: dict[str, float]
-    predicted: dict[str, Any]
     costs: dict[str, Any]
-    experiments: dict[str, str]  # calibration / validation experiment ids
-    error: str | None = None
+    experiments: dict[str, str]  # the calibration runs' experiment ids
+    runs: list[RunValidation] = field(default_factory=list)
+    poisson: dict[str, Any] = field(default_factory=dict)  # model, simulator (+ interval95)
+    error: str | None = None  # calibration failed: no run
+
+    @property
+    def done(self) -> list[RunValidation]:
+        return [r for r in self.runs if r.ettr is not None]
+
+    @property
+    def measured_ettr(self) -> float | None:
+        """The mean over the completed runs; None while one failed (no partial answer)."""
+        if not self.runs or len(self.done) < len(self.runs):
+            return None
+        return sum(float(r.ettr or 0.0) for r in self.done) / len(self.done)
+
+    @property
+    def measured_interval95(self) -> tuple[float, float] | None:
+        """Student's t interval of the mean ETTR over the runs (two or more)."""
+        values = [float(r.ettr or 0.0) for r in self.done]
+        if self.measured_ettr is None or len(values) < 2:
+            return None
+        return mean_interval95(values)
+
+    @property
+    def failures_struck(self) -> int:
+        return sum(r.failures_struck for r in self.done)
+
+    @property
+    def breakdown(self) -> dict[str, float]:
+        """Seconds summed over the runs."""
+        total: dict[str, float] = {}
+        for r in self.done:
+            for key, value in r.breakdown.items():
+                total[key] = total.get(key, 0.0) + value
+        return total
+
+    @property
+    def predicted(self) -> dict[str, Any]:
+        """The Poisson predictions and the mean of each run's for the failures it met."""
+        if not self.poisson:
+            return {}
+        out = dict(self.poisson)
+        for key in PER_RUN:
+            values = [r.predicted.get(key) for r in self.done]
+            known = [float(v) for v in values if v is not None]
+            out[key] = sum(known) / len(known) if known and len(known) == len(values) else None
+        return out
 
     def error_pp(self, key: str) -> float | None:
-        got = self.predicted.get(key)
-        if self.measured_ettr is None or got is None:
+        got, measured = self.predicted.get(key), self.measured_ettr
+        if measured is None or got is None:
             return None
-        return abs(self.measured_ettr - got) * 100
+        return abs(measured - got) * 100
+
+    def within_interval(self, key: str) -> bool | None:
+        """Whether the prediction lies in the measured mean's 95% interval (two runs or more)."""
+        band, got = self.measured_interval95, self.predicted.get(key)
+        if band is None or got is None:
+            return None
+        return band[0] <= got <= band[1]
+
+    @property
+    def failed(self) -> str | None:
+        """Why this mechanism has no measured ETTR (None: it has one)."""
+        if self.error is not None:
+            return self.error
+        failed = [r for r in self.runs if r.ettr is None]
+        return f"seed {failed[0].seed}: {failed[0].error}" if failed else None
+
+
+def mean_interval95(values: list[float]) -> tuple[float, float]:
+    from scipy import stats as sps
+
+    n = len(values)
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = float(sps.t.ppf(0.975, n - 1)) * sd / math.sqrt(n)
+    return mean - half, mean + half
 
 
 @dataclass
@@ -287,10 +401,11 @@ class ValidationReport:
     duration_s: float
     seed: int
     mix: dict[str, float]
+    runs: int = 1
     mechanisms: list[MechanismValidation] = field(default_factory=list)
 
     def agreement(self) -> dict[str, Any]:
-        done = [m for m in self.mechanisms if m.measured_ettr is not None and m.predicted]
+        done = [m for m in self.mechanisms if m.measured_ettr is not None and m.poisson]
         measured = {m.mechanism: float(m.measured_ettr or 0.0) for m in done}
         out: dict[str, Any] = {}
         for key in PREDICTIONS:
@@ -299,26 +414,44 @@ class ValidationReport:
             same, close = ranking_agrees(
                 measured, {m.mechanism: m.predicted.get(key) for m in done}
             )
+            inside = [m.within_interval(key) for m in done]
             out[key] = {
                 "max_error_pp": worst,
                 "within_goal": worst is not None and worst <= GOAL_PP,
                 "same_ranking": same,
                 "not_told_apart": close,
+                # None with one run a mechanism: no interval to be inside
+                "within_measured_interval95": None
+                if not done or any(i is None for i in inside)
+                else all(inside),
             }
         return out
 
     def as_dict(self) -> dict[str, Any]:
         rows = []
         for m in self.mechanisms:
-            row = asdict(m)
-            row["ettr"] = row.pop("measured_ettr")
-            row["error_pp"] = {k: m.error_pp(k) for k in PREDICTIONS}
-            rows.append(row)
+            band = m.measured_interval95
+            rows.append(
+                {
+                    "mechanism": m.mechanism,
+                    "ettr": m.measured_ettr,
+                    "ettr_interval95": list(band) if band else None,
+                    "failures_struck": m.failures_struck,
+                    "breakdown": m.breakdown,
+                    "predicted": m.predicted,
+                    "error_pp": {k: m.error_pp(k) for k in PREDICTIONS},
+                    "costs": m.costs,
+                    "experiments": m.experiments,
+                    "runs": [asdict(r) for r in m.runs],
+                    "error": m.failed,
+                }
+            )
         return {
             "architecture": self.architecture,
             "mtbf_s": self.mtbf_s,
             "duration_s": self.duration_s,
             "seed": self.seed,
+            "runs": self.runs,
             "mix": self.mix,
             "goal_pp": GOAL_PP,
             "mechanisms": rows,
@@ -391,181 +524,76 @@ def run_validate(
 
     names = check_options(spec, opts)
     report = ValidationReport(
-        spec.architecture.name, opts.mtbf_s, opts.duration_s, opts.seed, dict(opts.mix)
-    )
-    events = poisson_events(
-        opts.mtbf_s, HORIZON * opts.duration_s, spec.world_size, opts.mix, opts.seed
-    )
+        spec.architecture.name, opts.mtbf_s, opts.duration_s, opts.seed, dict(opts.mix),
+        opts.runs,
+    )  # fmt: skip
     for name in names:
         mech = spec.mechanism.model_dump(mode="json") if name == spec.mechanism.name else name
         base = parse_spec(_with(spec, mechanism=mech, failures={"kind": "none"}))
         try:
             fitted, ids = calibrate(base, opts.calibration_steps, opts.calibration_s, run)
         except CalibrationFailed as err:
-            report.mechanisms.append(
-                MechanismValidation(name, None, 0, {}, {}, {}, err.ids, str(err))
-            )
+            report.mechanisms.append(MechanismValidation(name, {}, err.ids, error=str(err)))
             say(f"{name}: {err}")
             continue
-        m = _validate_one(base, fitted, ids, events, opts, run)
+        costs = {**asdict(fitted.profile), "step_s": fitted.step_s, "notes": list(fitted.notes)}
+        costs.pop("fallback", None)
+        m = MechanismValidation(name, costs, ids)
+        steps = validation_steps(fitted, opts)
+        work_s = steps * fitted.step_s
+        m.poisson = predict_poisson(
+            fitted, opts.mtbf_s, work_s, base.world_size, opts.sim_runs, opts.seed
+        )
+        for seed in range(opts.seed, opts.seed + opts.runs):
+            m.runs.append(_validate_one(base, fitted, steps, seed, opts, run))
+            say(_said(m, m.runs[-1]))
         report.mechanisms.append(m)
-        say(_said(m))
     return report
+
+
+def validation_steps(fitted: Fitted, opts: ValidateOptions) -> int:
+    """The steps of `opts.duration_s` of failure-free work at the calibrated pace."""
+    slow = 1.0 + fitted.profile.overhead
+    return max(opts.calibration_steps, round(opts.duration_s / (fitted.step_s * slow)))
 
 
 def _validate_one(
     base: ExperimentSpec,
     fitted: Fitted,
-    ids: dict[str, str],
-    events: list[dict[str, Any]],
+    steps: int,
+    seed: int,
     opts: ValidateOptions,
     run: Callable[[dict[str, Any]], ExperimentResult],
-) -> MechanismValidation:
-    """The validation run of one calibrated mechanism, measured, and its predictions."""
+) -> RunValidation:
+    """One validation run of a calibrated mechanism under the Poisson draw `seed`, measured,
+    and the predictions for the failures it met."""
     name = base.mechanism.name
-    slow = 1.0 + fitted.profile.overhead
-    steps = max(opts.calibration_steps, round(opts.duration_s / (fitted.step_s * slow)))
+    events = poisson_events(opts.mtbf_s, HORIZON * opts.duration_s, base.world_size, opts.mix, seed)
     timed = {"kind": "timed", "events": events}
-    valid = run(_with(base, name=f"validate {name}", steps=steps, failures=timed))
-    ids = {**ids, "validation": valid.experiment_id}
+    label = f"validate {name}" + (f" (failures seed {seed})" if opts.runs > 1 else "")
+    valid = run(_with(base, name=label, steps=steps, failures=timed))
     trial = valid.trials[0] if valid.trials else None
     extra = (trial.model_extra or {}) if trial is not None else {}
-    costs = {**asdict(fitted.profile), "step_s": fitted.step_s, "notes": list(fitted.notes)}
-    costs.pop("fallback", None)
     if trial is None or trial.status != "completed" or extra.get("ettr") is None:
         why = trial.error if trial is not None else valid.status
-        return MechanismValidation(name, None, 0, {}, {}, costs, ids, f"validation run: {why}")
-    # the simulator meets the same draws: those the run ended before are its too, if its run
-    # lasts longer
+        return RunValidation(seed, valid.experiment_id, None, error=f"validation run: {why}")
     times = tuple(float(e["at_seconds"]) for e in events)
-    work_s = steps * fitted.step_s
-    predicted = predict(
-        fitted, opts.mtbf_s, work_s, base.world_size, times, len(trial.failures), opts.sim_runs,
-        opts.seed,
+    predicted = predict_run(
+        fitted, opts.mtbf_s, steps * fitted.step_s, base.world_size, times,
+        len(trial.failures), seed,
     )  # fmt: skip
-    return MechanismValidation(
-        name, float(extra["ettr"]), len(trial.failures), dict(extra["ettr_breakdown"]),
-        predicted, costs, ids,
+    return RunValidation(
+        seed, valid.experiment_id, float(extra["ettr"]), len(trial.failures),
+        dict(extra["ettr_breakdown"]), predicted,
     )  # fmt: skip
 
 
-def _said(m: MechanismValidation) -> str:
-    if m.measured_ettr is None:
-        return f"{m.mechanism}: {m.error}"
-    p = m.predicted
+def _said(m: MechanismValidation, r: RunValidation) -> str:
+    if r.ettr is None:
+        return f"{m.mechanism} (failures seed {r.seed}): {r.error}"
     return (
-        f"{m.mechanism}: measured ETTR {100 * m.measured_ettr:.1f}% ({m.failures_struck} "
-        f"failures); model {100 * p['model']:.1f}%, simulator with the same failures "
-        f"{100 * p['simulator_same_failures']:.1f}%"
+        f"{m.mechanism}: measured ETTR {100 * r.ettr:.1f}% ({r.failures_struck} failures, "
+        f"seed {r.seed}); model {100 * m.poisson['model']:.1f}% over Poisson failures, "
+        f"{100 * (r.predicted['model_same_failures'] or 0):.1f}% for these; simulator with "
+        f"the same failures {100 * r.predicted['simulator_same_failures']:.1f}%"
     )
-
-
-LABELS = {
-    "model": "model, Poisson",
-    "model_same_failures": "model, the run's failures",
-    "simulator_same_failures": "simulator, the run's failure times",
-    "simulator": "simulator, Poisson",
-}
-
-
-def markdown_report(report: ValidationReport, figure: str | None) -> list[str]:
-    """validation.md: the table, then how each prediction agrees with the measurement."""
-    from failbench_ray import markdown
-
-    head = ["mechanism", "failures", "measured ETTR"]
-    head += [f"{LABELS[k]} (error pp)" for k in PREDICTIONS]
-    body = []
-    for m in report.mechanisms:
-        if m.measured_ettr is None:
-            body.append([m.mechanism, "-", f"failed: {m.error}", *["-"] * len(PREDICTIONS)])
-            continue
-        row = [m.mechanism, str(m.failures_struck), _pct(m.measured_ettr)]
-        for key in PREDICTIONS:
-            cell = f"{_pct(m.predicted.get(key))} ({_pp(m.error_pp(key))})"
-            if key == "simulator":
-                low, high = m.predicted["simulator_interval95"]
-                cell += f"; 95% of jobs {_pct(low)}-{_pct(high)}"
-            row.append(cell)
-        body.append(row)
-    agree = report.agreement()
-    lines = [
-        f"# Measured versus predicted ETTR: {report.architecture}",
-        "",
-        f"Failures: a Poisson process of mean {report.mtbf_s:g} s (seed {report.seed}, kinds "
-        f"{report.mix}); {report.duration_s:g} s of failure-free work per mechanism. Costs "
-        "fitted on separate calibration runs (no failure; two failures at fixed steps), never "
-        "on the validation run. ETTR as the README defines it. The Poisson predictions are "
-        "expectations over the failure process; one run meets one draw of it, so they are "
-        "also given for the failures this run met.",
-        "",
-        *markdown.table(head, body),
-    ]
-    for key in PREDICTIONS:
-        a = agree[key]
-        worst = a["max_error_pp"]
-        lines.append(
-            f"- {LABELS[key]}: largest error "
-            + (f"{worst:.2f} pp" if worst is not None else "-")
-            + f" (goal {GOAL_PP:g} pp: {'met' if a['within_goal'] else 'not met'}); ranking "
-            + ("agrees with the measured" if a["same_ranking"] else "differs from the measured")
-        )
-    close = agree[PREDICTIONS[0]]["not_told_apart"]
-    if close:
-        pairs = ", ".join(f"{a} and {b}" for a, b in close)
-        lines.append(
-            f"- Not told apart by this run (measured within {GOAL_PP:g} pp of each other, one "
-            f"run each): {pairs}; the ranking checks leave their order out."
-        )
-    if figure:
-        lines += ["", f"![measured versus predicted ETTR]({figure})"]
-    return [*lines, ""]
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def _pp(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}"
-
-
-def figure(report: ValidationReport, path: Path) -> str:
-    """Measured against predicted ETTR per mechanism, as bars; the PNG's file name."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    done = [m for m in report.mechanisms if m.measured_ettr is not None]
-    names = [m.mechanism for m in done]
-    colors = ("tab:blue", "tab:cyan", "tab:orange", "tab:green")
-    series = [("measured", [float(m.measured_ettr or 0) for m in done], "black")]
-    series += [
-        (LABELS[k], [m.predicted.get(k) or 0.0 for m in done], c)
-        for k, c in zip(PREDICTIONS, colors, strict=True)
-    ]
-    fig, ax = plt.subplots(figsize=(max(7.0, 2.0 * len(names) + 2), 5.0))
-    width = 0.8 / len(series)
-    for i, (label, values, color) in enumerate(series):
-        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(names))]
-        ax.bar(xs, [100 * v for v in values], width, label=label, color=color)
-        if label == LABELS["simulator"]:
-            bands = [m.predicted["simulator_interval95"] for m in done]
-            low = [100 * (v - b[0]) for v, b in zip(values, bands, strict=True)]
-            high = [100 * (b[1] - v) for v, b in zip(values, bands, strict=True)]
-            ax.errorbar(xs, [100 * v for v in values], yerr=[low, high], fmt="none", color="k",
-                        capsize=3, linewidth=0.8)  # fmt: skip
-    ax.set_xticks(range(len(names)), names)
-    ax.set_ylabel("ETTR (%)")
-    lows = [m.predicted["simulator_interval95"][0] for m in done]
-    floor = min((100 * v for _, vals, _ in series for v in [*vals, *lows]), default=0.0)
-    ax.set_ylim(max(0.0, floor - 10), 100)
-    ax.set_title(
-        f"{report.architecture}: measured vs predicted ETTR "
-        f"(MTBF {report.mtbf_s:g} s, {report.duration_s:g} s of work)"
-    )
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.09), ncol=3, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name

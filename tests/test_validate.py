@@ -66,6 +66,7 @@ def test_failures_arrive_as_a_seeded_poisson_process() -> None:
         ({"mix": {"zap": 1.0}}, "unknown kill kind 'zap'"),
         ({"mix": {"bitflip": 1.0}}, "--mix: bitflip is not a failure that strikes at a wall"),
         ({"mix": {"sigkill": 1.5, "hang": -0.5}}, "--mix: hang=-0.5; every weight must be"),
+        ({"runs": 0}, "--runs 0: give 1 or more validation runs per mechanism"),
     ],
 )
 def test_bad_input_gets_one_line_saying_what_to_change(change: dict[str, Any], says: str) -> None:
@@ -187,6 +188,46 @@ def test_a_ranking_is_judged_only_where_the_run_tells_mechanisms_apart() -> None
     )
 
 
+def test_several_runs_are_held_against_the_poisson_predictions_by_their_mean(
+    tmp_path: Path,
+) -> None:
+    from failbench_ray.validate import MechanismValidation, RunValidation, ValidationReport
+    from failbench_ray.validate_report import figure, markdown_report
+
+    def runs(*ettrs: float) -> list[RunValidation]:
+        return [
+            RunValidation(seed, f"e{seed}", e, 2 + seed, {"wall_s": 10.0, "useful_s": 10 * e},
+                          {"model_same_failures": e + 0.01, "simulator_same_failures": e - 0.02})
+            for seed, e in enumerate(ettrs)
+        ]  # fmt: skip
+
+    poisson = {"model": 0.75, "simulator": 0.70, "simulator_interval95": [0.6, 0.8]}
+    a = MechanismValidation("disk_ckpt", {}, {}, runs(0.70, 0.74, 0.78), dict(poisson))
+    b = MechanismValidation("elastic", {}, {}, runs(0.90, 0.91, 0.92), {**poisson, "model": 0.8})
+    assert a.measured_ettr == pytest.approx(0.74) and a.failures_struck == 2 + 3 + 4
+    low, high = a.measured_interval95 or (0, 0)
+    # Student's t with 2 degrees of freedom: 4.303 x sd (0.04) / sqrt(3)
+    assert (low, high) == (
+        pytest.approx(0.74 - 0.0994, abs=1e-4),
+        pytest.approx(0.74 + 0.0994, abs=1e-4),
+    )
+    assert a.predicted["model_same_failures"] == pytest.approx(0.75)
+    assert a.error_pp("model") == pytest.approx(1.0) and a.within_interval("model") is True
+    assert b.within_interval("model") is False  # 0.80 against 0.90 +- 0.025
+    assert a.breakdown == {"wall_s": 30.0, "useful_s": pytest.approx(22.2)}
+    report = ValidationReport("ddp", 15.0, 60.0, 0, {"sigkill": 1.0}, 3, [a, b])
+    agree = report.agreement()
+    assert agree["model"]["within_measured_interval95"] is False
+    assert agree["model"]["max_error_pp"] == pytest.approx(11.0)
+    # a failed run leaves its mechanism without a measured ETTR: no mean of the rest
+    a.runs[1] = RunValidation(1, "e1", None, error="validation run: boom")
+    assert a.measured_ettr is None and a.failed == "seed 1: validation run: boom"
+    md = "\n".join(markdown_report(report, figure(report, tmp_path / "v.png")))
+    assert "3 validation runs per mechanism" in md and "failed: seed 1: validation run" in md
+    assert "| elastic | 2+3+4 | 91.0% (88.5%-93.5%) |" in md
+    assert (tmp_path / "v.png").stat().st_size > 10_000
+
+
 @pytest.mark.usefixtures("no_leaks")
 def test_validate_measures_ettr_under_poisson_failures_and_predicts_it(
     ray_cluster: None, tmp_path: Path
@@ -220,8 +261,11 @@ def test_validate_measures_ettr_under_poisson_failures_and_predicts_it(
     assert m.measured_ettr == pytest.approx(b["useful_s"] / b["wall_s"])
     for key in ("model", "simulator_same_failures", "simulator"):
         assert 0 < m.predicted[key] < 1
-    assert set(m.experiments) == {"steady", "failures", "validation"}
-    assert len(set(m.experiments.values())) == 3  # the calibration runs are not the validation's
+    assert set(m.experiments) == {"steady", "failures"}
+    (one,) = m.runs
+    assert one.experiment not in m.experiments.values()  # calibration is not the validation
+    assert (one.seed, one.ettr) == (5, m.measured_ettr) and m.measured_interval95 is None
     data = report.as_dict()
     assert data["mechanisms"][0]["ettr"] == m.measured_ettr
+    assert data["mechanisms"][0]["runs"][0]["experiment"] == one.experiment
     assert lines[-1].startswith("disk_ckpt: measured ETTR ")
