@@ -72,7 +72,7 @@ class _Executions:
                 ex.replayed[key] = max(ex.replayed[key], took)
         return ex
 
-    def steady(self) -> dict[str, float]:
+    def steady(self) -> dict[str, float | None]:
         """Robust to the first steps' warm-up: the median step, and the median wall time
         between two consecutive counted steps of one generation beyond the later's own."""
         gaps = [
@@ -89,7 +89,20 @@ class _Executions:
             "stall_s_per_step": mean,
             # the median blocking of a save (robust to the first ones, which are slower)
             "stall_s_median": statistics.median(stalls) if stalls else 0.0,
+            "stall_s_per_step_settled": self._settled_stall(mean),
         }
+
+    def _settled_stall(self, mean: float) -> float | None:
+        """The mean stall per step over whole save periods after the first third of the run
+        (from one save to a later one): what saves cost once warm, every kind of save that
+        a mechanism makes (e.g. copies every 5 steps and a disk save every 20) in its share.
+        None where fewer than two saves came after the first third."""
+        steps = sorted(self.stall)
+        late = [s for s in steps[len(steps) // 3 :] if self.stall[s] > 0 and self.stall[s] >= mean]
+        if len(late) < 2:
+            return None
+        window = [self.stall[s] for s in steps if late[0] < s <= late[-1]]
+        return sum(window) / len(window)
 
 
 def _downtime(

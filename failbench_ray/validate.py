@@ -1,13 +1,16 @@
 """`failbench validate SPEC --mtbf-s S --duration-s D`: the decision framework against real runs.
 
 For each mechanism:
-1. calibration (never the validation runs): the spec trained with no failure, then with two
-   failures at fixed steps (a seed of its own); from their ETTR breakdowns (`ettr`) come the
+1. calibration (never the validation runs): the spec trained once to warm up (discarded), with
+   no failure, then with two failures at fixed steps (a seed of its own); from the last two
+   runs' ETTR breakdowns (`ettr`) come the
    mechanism's costs: the time of a step, what a save blocks, the steady overhead (gaps between
    steps, per-step copies), the downtime of a failure and the work it loses (`fit_profile`);
 2. validation: the spec trained for D seconds of failure-free work, while failures arrive as a
    seeded Poisson process in wall time (exponential gaps of mean S; rank uniform, kind drawn from
-   `--mix`): a `timed` trace. Its measured ETTR and breakdown are the truth;
+   `--mix`): a `timed` trace. Its measured ETTR and breakdown are the truth; with `runs` > 1,
+   each run draws its own failures (seeds seed, seed+1, ...) and their mean, with its 95%
+   interval, is held against the Poisson predictions;
 3. prediction from the calibrated costs: the model (`reliability`, Daly with the mechanism's own
    interval), over the Poisson process and for the number of failures the run met; and the
    simulator (`simulator`), once playing the very failure times drawn for the run, once over
@@ -157,7 +160,9 @@ def fit_profile(
     """Costs from the two calibration runs: `steady` (no failure) gives the step time and the
     steady overhead; `failing` gives each failure's downtime and lost work (its extra
     unexplained time, e.g. a slow first step after a recovery, is downtime too), and, being the
-    longer run, what a save blocks (the median: a run's first saves are slower)."""
+    longer run, what saves block: the mean stall per step over its settled save periods
+    times the interval (every kind of save the mechanism makes in its share; the median of a
+    save where too few saves settled)."""
     ff, calm, _ = _breakdown(steady)
     fb, long_calm, k = _breakdown(failing)
     step_s, gap_s = calm["step_s"], calm["gap_s"]
@@ -165,8 +170,11 @@ def fit_profile(
     if periodic:
         assert interval is not None
         saves = max(1, steps_steady // interval)
+        settled = long_calm.get("stall_s_per_step_settled") or calm.get("stall_s_per_step_settled")
         save_s = (
-            long_calm.get("stall_s_median")
+            settled * interval
+            if settled
+            else long_calm.get("stall_s_median")
             or calm.get("stall_s_median")
             or ff["checkpoint_stall_s"] / saves
         )
@@ -480,12 +488,16 @@ def calibrate(
 ) -> tuple[Fitted, dict[str, str]]:
     """The two calibration runs of `base`'s mechanism (a seed of their own: never the
     validation's data) and the costs fitted on them: `steps` with no failure, then two
-    failures in a run of at least `least_s` seconds of training. CalibrationFailed if one did
-    not complete."""
+    failures in a run of at least `least_s` seconds of training. Before them, a warm-up run
+    of `steps` that nothing is fitted on: the first runs of a mechanism in a cluster save
+    slower (its processes, buffers and object store are cold) than the long validation runs
+    that follow. CalibrationFailed if one did not complete."""
     name, world = base.mechanism.name, base.world_size
     seed = base.seed + CALIBRATION_SEED_OFFSET
+    warm = run(_with(base, name=f"calibrate {name}: warm-up", steps=steps, seed=seed))
+    ids = {"warm_up": warm.experiment_id}
     steady = run(_with(base, name=f"calibrate {name}: steady", steps=steps, seed=seed))
-    ids = {"steady": steady.experiment_id}
+    ids["steady"] = steady.experiment_id
     try:
         wall = _breakdown(steady)[0]["wall_s"]
         long = max(steps, math.ceil(least_s / (wall / steps)))

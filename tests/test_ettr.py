@@ -86,3 +86,24 @@ def test_a_saves_cost_is_the_median_of_the_steps_that_saved() -> None:
     steady = measure(records, [])["steady"]
     assert steady["stall_s_median"] == pytest.approx(0.1)
     assert steady["step_s"] == pytest.approx(1.0)
+
+
+def test_settled_saves_cost_their_mean_per_step_every_kind_of_save_counted() -> None:
+    # a copy every 5 steps (0.1 s) and also a disk save every 20 (0.3 s more); the first
+    # third of the run is cold (everything 0.5 s): the settled window leaves it out
+    records = []
+    t = 0.0
+    for n in range(1, 121):
+        blocked = 1e-4
+        if n % 5 == 0:
+            blocked = 0.5 if n <= 40 else 0.1 + (0.3 if n % 20 == 0 else 0.0)
+        records.append(step(0, n, 0, t, 1.0 + blocked, blocked))
+        t += 1.0 + blocked
+    steady = measure(records, [])["steady"]
+    # per 20 steps: 4 copies and one disk save, 0.7 s, and 15 steps of 0.1 ms; the window
+    # (45, 120] holds whole copy periods, and the disk saves to within one (4, not 3.75)
+    per_step = (0.7 + 15 * 1e-4) / 20
+    assert steady["stall_s_per_step_settled"] == pytest.approx(per_step, rel=0.03)
+    assert steady["stall_s_per_step_settled"] == pytest.approx((15 * 0.1 + 4 * 0.3 + 60e-4) / 75)
+    # too few saves after the first third: no settled estimate
+    assert measure(records[:8], [])["steady"]["stall_s_per_step_settled"] is None

@@ -146,6 +146,10 @@ def test_costs_come_from_the_calibration_runs() -> None:
     assert fit_profile("disk_ckpt", 10, steady, failing, 100, 100).profile.save_s == 0.015
     failing.trials[0].model_extra["ettr_steady"]["stall_s_median"] = 0.012  # type: ignore[index]
     assert fit_profile("disk_ckpt", 10, steady, failing, 100, 100).profile.save_s == 0.012
+    # where saves settled in the longer run, the interval times their mean stall per step
+    failing.trials[0].model_extra["ettr_steady"]["stall_s_per_step_settled"] = 0.0011  # type: ignore[index]
+    got = fit_profile("disk_ckpt", 10, steady, failing, 100, 100).profile.save_s
+    assert got == pytest.approx(0.011)
     # without an interval, a mechanism's per-step stall is overhead and its loss is measured
     fit = fit_profile("redundant", None, steady, failing, 100, 100)
     assert fit.profile.overhead == pytest.approx(0.7) and fit.profile.lost_s == pytest.approx(0.15)
@@ -261,7 +265,7 @@ def test_validate_measures_ettr_under_poisson_failures_and_predicts_it(
     assert m.measured_ettr == pytest.approx(b["useful_s"] / b["wall_s"])
     for key in ("model", "simulator_same_failures", "simulator"):
         assert 0 < m.predicted[key] < 1
-    assert set(m.experiments) == {"steady", "failures"}
+    assert set(m.experiments) == {"warm_up", "steady", "failures"}
     (one,) = m.runs
     assert one.experiment not in m.experiments.values()  # calibration is not the validation
     assert (one.seed, one.ettr) == (5, m.measured_ettr) and m.measured_interval95 is None
