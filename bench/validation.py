@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 MECHANISMS = ("disk_ckpt", "inmem_replica", "elastic")
 # (mean seconds between failures, seconds of failure-free work per mechanism)
 SHAPE = {True: (15.0, 60.0), False: (20.0, 240.0)}
+RUNS = {True: 1, False: 3}  # validation runs per mechanism (each its own failure draw)
 
 
 def job() -> dict[str, Any]:
@@ -34,8 +35,13 @@ def goal_validation(env: Env, cfg: BenchConfig, out_dir: Path) -> dict[str, Any]
 
     mtbf_s, duration_s = SHAPE[cfg.quick]
     opts = validate.ValidateOptions(
-        mtbf_s=mtbf_s, duration_s=duration_s, mechanisms=MECHANISMS, seed=0, calibration_steps=100
-    )  # the command in examples/validate.yaml
+        mtbf_s=mtbf_s,
+        duration_s=duration_s,
+        mechanisms=MECHANISMS,
+        seed=0,
+        calibration_steps=100,
+        runs=RUNS[cfg.quick],
+    )  # the command in examples/validate.yaml; fmt: skip
     report = validate.run_validate(
         parse_spec(job()),
         opts,

@@ -393,13 +393,15 @@ class MechanismValidation:
 
 
 def mean_interval95(values: list[float]) -> tuple[float, float]:
+    """Student's t interval of the mean ETTR, within [0, 1] where ETTRs lie (a few runs that
+    differ much reach past them)."""
     from scipy import stats as sps
 
     n = len(values)
     mean = sum(values) / n
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
     half = float(sps.t.ppf(0.975, n - 1)) * sd / math.sqrt(n)
-    return mean - half, mean + half
+    return max(0.0, mean - half), min(1.0, mean + half)
 
 
 @dataclass

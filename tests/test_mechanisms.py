@@ -1,6 +1,7 @@
 """The eight mechanisms: their pure plans, the replication codec, where they apply, and the
 whole matrix run for real (every applicable architecture x mechanism pair under a single
-failure; concurrent and cascading traces for every mechanism on ddp and on hybrid)."""
+failure; the concurrent and the cascading trace for every mechanism, one on ddp and the other
+on hybrid: `multi_cells`)."""
 
 from __future__ import annotations
 
@@ -439,16 +440,28 @@ TRACES = {
         },
     },
 }
-MULTI = [
-    (arch, trace, m)
-    for arch in TRACES
-    for trace in TRACES[arch]
-    for m in MECHANISMS
-    if applicable(arch, m)
-]
 
 
-MULTI_REGIME = {cell: ("standard" if i % 2 else "fast") for i, cell in enumerate(MULTI)}
+def multi_cells() -> list[tuple[str, str, str]]:
+    """Each mechanism meets both traces, one on ddp and the other on hybrid, the pairing
+    alternating from one mechanism to the next (so each architecture meets both traces with
+    half the mechanisms); one that hybrid cannot hold (elastic) meets both on ddp."""
+    cells = []
+    for i, m in enumerate(MECHANISMS):
+        traces = ("concurrent", "cascading") if i % 2 else ("cascading", "concurrent")
+        for arch, trace in zip(TRACES, traces, strict=True):
+            cells.append((arch if applicable(arch, m) else "ddp", trace, m))
+    return cells
+
+
+MULTI = multi_cells()
+
+
+# a mechanism's two cells re-form in different regimes, and each (architecture, trace) meets
+# both regimes: the pattern turns every two mechanisms
+MULTI_REGIME = {
+    cell: ("fast" if (i // 4 + i % 2) % 2 == 0 else "standard") for i, cell in enumerate(MULTI)
+}
 
 
 @pytest.mark.usefixtures("no_leaks")
@@ -468,6 +481,14 @@ def test_concurrent_and_cascading_failures(
 def test_the_matrix_covers_every_mechanism_on_ddp_and_hybrid() -> None:
     assert {m for a, m in CELLS if a == "ddp"} == set(MECHANISMS)
     assert {m for a, _, m in MULTI if a == "hybrid"} == set(MECHANISMS) - {"elastic"}
+    for m in MECHANISMS:  # both traces, under both re-formation regimes
+        assert {t for _, t, n in MULTI if n == m} == set(TRACES["ddp"])
+        assert {MULTI_REGIME[c] for c in MULTI if c[2] == m} == {"standard", "fast"}
+    for arch in TRACES:
+        for trace in TRACES[arch]:
+            cells = [c for c in MULTI if c[:2] == (arch, trace)]
+            assert {MULTI_REGIME[c] for c in cells} == {"standard", "fast"}
+    assert len(MULTI) == 2 * len(set(MECHANISMS))
 
 
 @pytest.mark.usefixtures("no_leaks")

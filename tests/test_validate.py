@@ -218,6 +218,9 @@ def test_several_runs_are_held_against_the_poisson_predictions_by_their_mean(
     assert a.predicted["model_same_failures"] == pytest.approx(0.75)
     assert a.error_pp("model") == pytest.approx(1.0) and a.within_interval("model") is True
     assert b.within_interval("model") is False  # 0.80 against 0.90 +- 0.025
+    # runs far apart: the interval stops where ETTRs do
+    wide = MechanismValidation("none", {}, {}, runs(0.2, 0.9, 0.95), dict(poisson))
+    assert wide.measured_interval95 == (0.0, 1.0)
     assert a.breakdown == {"wall_s": 30.0, "useful_s": pytest.approx(22.2)}
     report = ValidationReport("ddp", 15.0, 60.0, 0, {"sigkill": 1.0}, 3, [a, b])
     agree = report.agreement()
