@@ -155,6 +155,11 @@ def figure(report: ValidationReport, path: Path) -> str:
                 ax.errorbar([x], [100 * v], yerr=[[100 * (v - band[0])], [100 * (band[1] - v)]],
                             fmt="none", color="grey" if label == "measured" else "k", capsize=3,
                             linewidth=0.8)  # fmt: skip
+        if label == "measured" and report.runs > 1:  # each run, on its mean's bar
+            for x, m in zip(xs, done, strict=True):
+                each = [100 * (r.ettr or 0.0) for r in m.done]
+                ax.scatter([x] * len(each), each, s=26, color="white", edgecolor="grey",
+                           zorder=3, label="one run" if x == xs[0] else None)  # fmt: skip
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("ETTR (%)")
     lows = [b[0] for bs in bands.values() for b in bs if b is not None]
