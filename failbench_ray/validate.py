@@ -18,7 +18,7 @@ For each mechanism:
 
 The report: per mechanism, measured against predicted ETTR, the absolute error in percentage
 points, and whether the mechanisms rank the same way. Pure parts (`poisson_events`,
-`fit_profile`, `predict`, `ranking_agrees`) are tested without Ray.
+`fit_profile`, `predict_poisson`, `predict_run`, `ranking_agrees`) are tested without Ray.
 """
 
 from __future__ import annotations
@@ -203,24 +203,6 @@ def fit_profile(
     else:
         profile = Profile(mechanism, overhead=overhead, restart_s=restart_s, lost_s=lost_s)
     return Fitted(profile, step_s, k, tuple(notes))
-
-
-def predict(
-    fitted: Fitted,
-    mtbf_s: float,
-    work_s: float,
-    world: int,
-    times: tuple[float, ...],
-    struck: int,
-    runs: int,
-    seed: int,
-) -> dict[str, Any]:
-    """ETTR predicted for `work_s` of failure-free work: over Poisson failures of mean `mtbf_s`
-    (`predict_poisson`) and for one run's failures (`predict_run`)."""
-    return {
-        **predict_poisson(fitted, mtbf_s, work_s, world, runs, seed),
-        **predict_run(fitted, mtbf_s, work_s, world, times, struck, seed),
-    }
 
 
 def predict_poisson(

@@ -22,7 +22,8 @@ from failbench_ray.validate import (
     fit_profile,
     parse_mix,
     poisson_events,
-    predict,
+    predict_poisson,
+    predict_run,
     ranking_agrees,
     run_validate,
 )
@@ -162,8 +163,14 @@ def test_costs_come_from_the_calibration_runs() -> None:
 def test_predictions_of_the_model_and_of_the_simulator_with_the_same_failures() -> None:
     from failbench_ray.reliability import Profile
 
+    def predict(fitted: Fitted, times: tuple[float, ...], struck: int, runs: int) -> dict[str, Any]:
+        return {
+            **predict_poisson(fitted, 50.0, 300.0, 4, runs, seed=1),
+            **predict_run(fitted, 50.0, 300.0, 4, times, struck, seed=1),
+        }
+
     fitted = Fitted(Profile("disk_ckpt", save_s=0.5, restart_s=3, interval_s=10), 0.01, 2)
-    got = predict(fitted, 50.0, 300.0, 4, (), 0, runs=50, seed=1)
+    got = predict(fitted, (), 0, runs=50)
     # no failure struck: the simulator plays only the saves, and so does the model
     assert got["simulator_same_failures"] == pytest.approx(300 / (300 + 29 * 0.5))
     assert got["model_same_failures"] == pytest.approx(300 / (300 + 30 * 0.5))
@@ -171,13 +178,13 @@ def test_predictions_of_the_model_and_of_the_simulator_with_the_same_failures() 
     low, high = got["simulator_interval95"]
     assert low <= got["simulator"] <= high
     # two failures: each 3 s down and half an interval (10 s of work and a 0.5 s save) lost
-    two = predict(fitted, 50.0, 300.0, 4, (100.0, 200.0), 2, runs=50, seed=1)
+    two = predict(fitted, (100.0, 200.0), 2, runs=50)
     assert two["model_same_failures"] == pytest.approx(300 / (315 + 2 * (3 + 5.25)))
     assert two["simulator_same_failures_struck"] == 2
     assert abs(two["simulator_same_failures"] - two["model_same_failures"]) < 0.01
     # slowed steps: both already count the overhead (once)
     slow = Fitted(Profile("redundant", overhead=0.25, restart_s=3, lost_s=0.5), 0.01, 2)
-    got = predict(slow, 50.0, 300.0, 4, (), 0, runs=10, seed=1)
+    got = predict(slow, (), 0, runs=10)
     assert got["simulator_same_failures"] == pytest.approx(0.8)
     assert got["model_same_failures"] == pytest.approx(0.8)
 
