@@ -110,7 +110,7 @@ def _add_validate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--calibration-s",
         type=float,
         default=12.0,
-        help="the failing calibration run trains at least this long, s (12)",
+        help="the steady and the failing calibration runs train at least this long, s (12)",
     )
     val.add_argument("--sim-runs", type=int, default=200, help="seeded simulator runs (200)")
     val.add_argument(

@@ -1,10 +1,10 @@
 """`failbench validate SPEC --mtbf-s S --duration-s D`: the decision framework against real runs.
 
 For each mechanism:
-1. calibration (never the validation runs): the spec trained once to warm up (discarded), with
-   no failure, then with two failures at fixed steps (a seed of its own); from the last two
-   runs' ETTR breakdowns (`ettr`) come the
-   mechanism's costs: the time of a step, what a save blocks, the steady overhead (gaps between
+1. calibration (never the validation runs): the spec trained once to warm up (discarded), then
+   with no failure and with two failures at fixed steps, each at least `calibration_s` long
+   (a seed of its own); from the last two runs' ETTR breakdowns (`ettr`) come the mechanism's
+   costs: the time of a step, what a save blocks, the steady overhead (gaps between
    steps, per-step copies), the downtime of a failure and the work it loses (`fit_profile`);
 2. validation: the spec trained for D seconds of failure-free work, while failures arrive as a
    seeded Poisson process in wall time (exponential gaps of mean S; rank uniform, kind drawn from
@@ -159,10 +159,10 @@ def fit_profile(
 ) -> Fitted:
     """Costs from the two calibration runs: `steady` (no failure) gives the step time and the
     steady overhead; `failing` gives each failure's downtime and lost work (its extra
-    unexplained time, e.g. a slow first step after a recovery, is downtime too), and, being the
-    longer run, what saves block: the mean stall per step over its settled save periods
-    times the interval (every kind of save the mechanism makes in its share; the median of a
-    save where too few saves settled)."""
+    unexplained time, e.g. a slow first step after a recovery, is downtime too). What saves
+    block: the interval times the mean stall per step over the steady run's settled save
+    periods (every kind of save the mechanism makes in its share; the failing run's, or the
+    median of a save, where too few saves settled)."""
     ff, calm, _ = _breakdown(steady)
     fb, long_calm, k = _breakdown(failing)
     step_s, gap_s = calm["step_s"], calm["gap_s"]
@@ -170,7 +170,7 @@ def fit_profile(
     if periodic:
         assert interval is not None
         saves = max(1, steps_steady // interval)
-        settled = long_calm.get("stall_s_per_step_settled") or calm.get("stall_s_per_step_settled")
+        settled = calm.get("stall_s_per_step_settled") or long_calm.get("stall_s_per_step_settled")
         save_s = (
             settled * interval
             if settled
@@ -470,21 +470,23 @@ def calibrate(
     least_s: float,
     run: Callable[[dict[str, Any]], ExperimentResult],
 ) -> tuple[Fitted, dict[str, str]]:
-    """The two calibration runs of `base`'s mechanism (a seed of their own: never the
-    validation's data) and the costs fitted on them: `steps` with no failure, then two
-    failures in a run of at least `least_s` seconds of training. Before them, a warm-up run
-    of `steps` that nothing is fitted on: the first runs of a mechanism in a cluster save
-    slower (its processes, buffers and object store are cold) than the long validation runs
-    that follow. CalibrationFailed if one did not complete."""
+    """The calibration runs of `base`'s mechanism (a seed of their own: never the validation's
+    data) and the costs fitted on them. First a warm-up run of `steps` that nothing is fitted
+    on (the first runs of a mechanism in a cluster are slower than the long validation runs
+    that follow) and that sets the pace; then, each at least `steps` and `least_s` seconds
+    long, a run with no failure and a run with two failures (a save's stall varies twofold
+    from one short run to the next on a shared machine; a longer run averages it).
+    CalibrationFailed if one did not complete."""
     name, world = base.mechanism.name, base.world_size
     seed = base.seed + CALIBRATION_SEED_OFFSET
     warm = run(_with(base, name=f"calibrate {name}: warm-up", steps=steps, seed=seed))
     ids = {"warm_up": warm.experiment_id}
-    steady = run(_with(base, name=f"calibrate {name}: steady", steps=steps, seed=seed))
-    ids["steady"] = steady.experiment_id
     try:
-        wall = _breakdown(steady)[0]["wall_s"]
+        wall = _breakdown(warm)[0]["wall_s"]
         long = max(steps, math.ceil(least_s / (wall / steps)))
+        steady = run(_with(base, name=f"calibrate {name}: steady", steps=long, seed=seed))
+        ids["steady"] = steady.experiment_id
+        _breakdown(steady)
         two = [
             {"ranks": [world - 1], "at_step": long // 3},
             {"ranks": [min(1, world - 1)], "at_step": 2 * long // 3 + 1},
@@ -496,7 +498,7 @@ def calibrate(
             )
         )  # fmt: skip
         ids["failures"] = failing.experiment_id
-        return fit_profile(name, _interval(base), steady, failing, steps, long), ids
+        return fit_profile(name, _interval(base), steady, failing, long, long), ids
     except RuntimeError as err:
         raise CalibrationFailed(str(err), ids) from None
 

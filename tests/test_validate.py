@@ -147,10 +147,14 @@ def test_costs_come_from_the_calibration_runs() -> None:
     assert fit_profile("disk_ckpt", 10, steady, failing, 100, 100).profile.save_s == 0.015
     failing.trials[0].model_extra["ettr_steady"]["stall_s_median"] = 0.012  # type: ignore[index]
     assert fit_profile("disk_ckpt", 10, steady, failing, 100, 100).profile.save_s == 0.012
-    # where saves settled in the longer run, the interval times their mean stall per step
+    # where saves settled, the interval times their mean stall per step: the steady run's,
+    # else the failing run's
     failing.trials[0].model_extra["ettr_steady"]["stall_s_per_step_settled"] = 0.0011  # type: ignore[index]
     got = fit_profile("disk_ckpt", 10, steady, failing, 100, 100).profile.save_s
     assert got == pytest.approx(0.011)
+    steady.trials[0].model_extra["ettr_steady"]["stall_s_per_step_settled"] = 0.0009  # type: ignore[index]
+    got = fit_profile("disk_ckpt", 10, steady, failing, 100, 100).profile.save_s
+    assert got == pytest.approx(0.009)
     # without an interval, a mechanism's per-step stall is overhead and its loss is measured
     fit = fit_profile("redundant", None, steady, failing, 100, 100)
     assert fit.profile.overhead == pytest.approx(0.7) and fit.profile.lost_s == pytest.approx(0.15)
