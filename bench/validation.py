@@ -40,8 +40,9 @@ def goal_validation(env: Env, cfg: BenchConfig, out_dir: Path) -> dict[str, Any]
         mechanisms=MECHANISMS,
         seed=0,
         calibration_steps=100,
+        calibration_s=25.0,
         runs=RUNS[cfg.quick],
-    )  # the command in examples/validate.yaml; fmt: skip
+    )  # the command in examples/validate.yaml
     report = validate.run_validate(
         parse_spec(job()),
         opts,
