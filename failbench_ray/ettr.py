@@ -15,8 +15,9 @@ The rest of W, in `breakdown` (seconds): `checkpoint_stall_s` (the counted steps
 (from the end of the last step done before a failure to the failure: work that died with it),
 `down_<phase>_s` (each recovery phase, from the failure records: to detection, quiesce,
 re-formation, restore, resume; and an elastic group's regrow, when training stops to take the
-grown ranks back), and `other_s` (what none of these explain: the first steps after
-a recovery catching up, a smaller group training, gaps between steps; overlaps make it negative).
+grown ranks back; seconds two overlapping recoveries spend down count once), and `other_s`
+(what none of these explain: the first steps after a recovery catching up, a smaller group
+training, gaps between steps; overlaps make it negative).
 `steady`: the median step's useful time, the median gap between two consecutive steps beyond
 it (the driver's and the collectives' share), and the stall per step: what a calibration run
 gives the model, robust to the first steps' warm-up.
@@ -119,19 +120,21 @@ def _downtime(
         before = [t for t in ends if t <= f.t_injected]
         if before:
             in_flight += max(0.0, f.t_injected - max(before[-1], recovered_at))
-        reached = 0.0
         for name, start, end in DOWN_PHASES:
             t_end = f.phases.get(end)
             t_start = 0.0 if start is None else f.phases.get(start)
-            if t_end is not None and t_start is not None:
-                down[name] += max(0.0, t_end - t_start)
-                reached = max(reached, t_end)
-            elif t_start is not None and f.interrupted_by in injected_at:
+            if t_start is None:
+                continue
+            if t_end is None and f.interrupted_by in injected_at:
                 # cut short in this phase: it lasted until the failure that cut it
-                cut = injected_at[f.interrupted_by] - f.t_injected
-                down[name] += max(0.0, cut - t_start)
-                reached = max(reached, cut)
-        recovered_at = max(recovered_at, f.t_injected + reached)
+                t_end = injected_at[f.interrupted_by] - f.t_injected
+            if t_end is None:
+                continue
+            # a failure during another's recovery is recovered from with it: the seconds both
+            # spend down count once, in the earlier one's phase
+            begin, until = f.t_injected + t_start, f.t_injected + t_end
+            down[name] += max(0.0, until - max(begin, recovered_at))
+            recovered_at = max(recovered_at, until)
         began, grown = f.phases.get(REGROW[1]), f.phases.get(REGROW[2])
         if began is not None and grown is not None:
             pauses.add((f.t_injected + began, f.t_injected + grown))  # one regrow takes many

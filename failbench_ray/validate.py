@@ -12,7 +12,8 @@ For each mechanism:
    each run draws its own failures (seeds seed, seed+1, ...) and their mean, with its 95%
    interval, is held against the Poisson predictions;
 3. prediction from the calibrated costs: the model (`reliability`, Daly with the mechanism's own
-   interval), over the Poisson process and for the number of failures the run met; and the
+   interval), over the Poisson process and for the number of failures the run met (those that
+   strike a recovery lose no work: `ratio_with_failures`); and the
    simulator (`simulator`), once playing the very failure times drawn for the run, once over
    `sim_runs` seeded Poisson draws (its mean, and where 95% of jobs fall).
 
@@ -246,19 +247,32 @@ def predict_run(
 
 
 def ratio_with_failures(p: Profile, work_s: float, failures: int) -> float | None:
-    """The model's ETTR for a run that met exactly `failures` failures (first order, as
-    `reliability.failure_cost`: a periodic mechanism loses half an interval of wall time on
-    average). None for `none`, whose loss depends on where each failure falls."""
+    """The model's ETTR for a run that met exactly `failures` failures, each at a uniform
+    point of its wall time. One that strikes while the job trains costs a recovery and the
+    work since the newest restorable state (half an interval of wall time on average, as
+    `reliability.failure_cost`). One that strikes while the job is down recovering from
+    another loses no work (nothing trained since the restore) and costs the part of that
+    recovery already spent (half of it on average), which starts over: the rule of Daly's
+    formula and of the simulator. The share of wall time spent down is solved for (a fixed
+    point). None for `none`, whose loss depends on where each failure falls."""
     if p.mechanism == "none":
         return None
     slow = 1.0 + p.overhead
-    wall = work_s * slow
+    wall_0 = work_s * slow
     if p.periodic and p.interval_s:
-        wall += work_s / p.interval_s * p.save_s
-        per_failure = p.restart_s + p.durable_s + (p.interval_s * slow + p.save_s) / 2
+        wall_0 += work_s / p.interval_s * p.save_s
+        restart = p.restart_s + p.durable_s
+        lost = (p.interval_s * slow + p.save_s) / 2
     else:
-        per_failure = p.restart_s + (p.lost_s or 0.0)
-    return work_s / (wall + failures * per_failure)
+        restart, lost = p.restart_s, p.lost_s or 0.0
+    down_share, wall = 0.0, wall_0
+    for _ in range(100):  # a contraction: converges to 1e-9 in tens of rounds at most
+        down = failures * restart * (1.0 - down_share / 2)
+        wall = wall_0 + failures * (1.0 - down_share) * lost + down
+        if abs(down / wall - down_share) < 1e-9:
+            break
+        down_share = down / wall
+    return work_s / wall
 
 
 def ranking_agrees(

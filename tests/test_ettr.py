@@ -60,6 +60,21 @@ def test_a_failure_during_a_recovery_is_not_counted_as_work_in_flight() -> None:
     assert b["other_s"] == pytest.approx(0.0)
 
 
+def test_a_recovery_that_takes_a_later_failure_along_counts_its_downtime_once() -> None:
+    # rank 3 dies at t=1; rank 1 at t=1.6, while the group re-forms; the recovery goes on
+    # and takes both: training resumes at t=7 (as seen on 2 cores)
+    records = [step(0, 1, 0, 0.0, 1.0), step(0, 2, 1, 7.0, 1.0)]
+    first = FailureRecord(0, [3], "sigkill", "t=1s", 2, 1.0, interrupted_by=1)
+    first.phases.update(detected=0.1, quiesced=0.2, reformed=5.0, restored=5.5)
+    second = FailureRecord(1, [1], "sigkill", "t=1.6s", 2, 1.6)
+    second.phases.update(detected=1.4, quiesced=1.5, reformed=4.5, restored=4.9, resumed=5.4)
+    b = measure(records, [first, second])["breakdown"]
+    assert sum(v for k, v in b.items() if k.startswith("down_")) == pytest.approx(6.0)
+    assert b["down_reform_s"] == pytest.approx(4.8)  # the first's, which the second's is in
+    assert b["down_restore_s"] == pytest.approx(0.5) and b["down_resume_s"] == pytest.approx(0.5)
+    assert b["other_s"] == pytest.approx(0.0)
+
+
 def test_no_records_no_ettr() -> None:
     assert measure([], [])["ettr"] is None
 
