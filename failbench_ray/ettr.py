@@ -26,6 +26,7 @@ Pure; tested without Ray.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
@@ -115,11 +116,14 @@ def _downtime(
     down: dict[str, float] = {name: 0.0 for name, _, _ in (*DOWN_PHASES, REGROW)}
     injected_at = {f.index: f.t_injected for f in failures}
     recovered_at = t0  # when the last recovery before this failure was through
+    spans: list[tuple[float, float]] = []  # the downtime counted so far
     pauses: set[tuple[float, float]] = set()
     for f in sorted(failures, key=lambda f: f.t_injected):
         before = [t for t in ends if t <= f.t_injected]
+        # nothing was in flight while a regrow pause held training (up to its end)
+        paused = [min(end, f.t_injected) for start, end in pauses if start <= f.t_injected]
         if before:
-            in_flight += max(0.0, f.t_injected - max(before[-1], recovered_at))
+            in_flight += max(0.0, f.t_injected - max(before[-1], recovered_at, *paused))
         for name, start, end in DOWN_PHASES:
             t_end = f.phases.get(end)
             t_start = 0.0 if start is None else f.phases.get(start)
@@ -132,14 +136,30 @@ def _downtime(
                 continue
             # a failure during another's recovery is recovered from with it: the seconds both
             # spend down count once, in the earlier one's phase
-            begin, until = f.t_injected + t_start, f.t_injected + t_end
-            down[name] += max(0.0, until - max(begin, recovered_at))
+            begin, until = max(f.t_injected + t_start, recovered_at), f.t_injected + t_end
+            if until > begin:
+                down[name] += until - begin
+                spans.append((begin, until))
             recovered_at = max(recovered_at, until)
         began, grown = f.phases.get(REGROW[1]), f.phases.get(REGROW[2])
         if began is not None and grown is not None:
             pauses.add((f.t_injected + began, f.t_injected + grown))  # one regrow takes many
-    down[REGROW[0]] = sum(max(0.0, end - start) for start, end in pauses)
+    # a regrow pause counts where no recovery was already counted (a failure during it)
+    down[REGROW[0]] = _uncovered(sorted(pauses), spans)
     return in_flight, down
+
+
+def _uncovered(intervals: list[tuple[float, float]], spans: list[tuple[float, float]]) -> float:
+    """Seconds of the union of `intervals` (sorted by start) outside every one of `spans`."""
+    total, reached = 0.0, -math.inf
+    for start, end in intervals:
+        start = max(start, reached)
+        if end <= start:
+            continue
+        reached = end
+        total += end - start
+        total -= sum(max(0.0, min(end, b) - max(start, a)) for a, b in spans)
+    return total
 
 
 def measure(records: Sequence[StepRecord], failures: Sequence[FailureRecord]) -> dict[str, Any]:

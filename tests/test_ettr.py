@@ -90,6 +90,21 @@ def test_an_elastic_regrow_is_downtime_once_however_many_failures_it_takes_back(
     assert b["down_regrow_s"] == pytest.approx(1.0)
 
 
+def test_a_failure_during_a_regrow_pause_is_not_counted_twice() -> None:
+    # a regrow pause at t=3..5; another failure at 3.5 recovers at 3.5..4.5, inside it
+    records = [step(0, n, 0, n - 1.0, 1.0) for n in range(1, 4)]
+    records += [step(0, n, 2, n + 1.0, 1.0) for n in range(4, 7)]
+    first = FailureRecord(0, [1], "sigkill", "t=0.5s", 1, 0.5)
+    first.phases.update(regrowing=2.5, grown=4.5)
+    second = FailureRecord(1, [2], "sigkill", "t=3.5s", 3, 3.5)
+    second.phases.update(detected=0.1, quiesced=0.2, reformed=0.8, restored=0.9, resumed=1.0)
+    b = measure(records, [first, second])["breakdown"]
+    assert sum(v for k, v in b.items() if k.startswith("down_")) == pytest.approx(2.0)
+    assert b["down_regrow_s"] == pytest.approx(1.0)
+    assert b["lost_in_flight_s"] == pytest.approx(0.0)  # it struck while training was paused
+    assert b["other_s"] == pytest.approx(0.0)
+
+
 def test_a_saves_cost_is_the_median_of_the_steps_that_saved() -> None:
     # every 5th step saves (the first save 0.5 s, the others 0.1 s); the rest block 0.1 ms
     records = []
