@@ -75,10 +75,12 @@ def validation_text(m: dict[str, Any]) -> str:
         for r in m.get("mechanisms", [])
     ]
     a = m.get("agreement", {})
-    worst = {k: (a.get(k) or {}).get("max_error_pp") for k in ("model", "simulator_same_failures")}
+    keys = ("model", "model_same_failures", "simulator_same_failures")
+    worst = {k: (a.get(k) or {}).get("max_error_pp") for k in keys}
     return (
         "; ".join(rows)
-        + f"; largest error: model {_pp(worst['model'])}, simulator with the same failures "
+        + f"; largest error: model {_pp(worst['model'])}, model with the runs' failures "
+        f"{_pp(worst['model_same_failures'])}, simulator with the same failures "
         f"{_pp(worst['simulator_same_failures'])}"
     )
 
