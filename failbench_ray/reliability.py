@@ -29,6 +29,10 @@ class Profile:
     lost_s: float | None = None  # work lost per failure when not tied to an interval
     degraded_s: float = 0.0  # elastic: time trained with fewer ranks before growing back
     degraded_share: float = 0.0  # the throughput missing meanwhile (1/N for one rank of N)
+    # after a recovery, the seconds by which the steps that count run slower than steady ones
+    # (a group on fewer ranks that keeps the batch, a replacement warming up, a respawn's CPU):
+    # useful time by ETTR's definition, and wall time too
+    slowed_s: float = 0.0
     p_replica_loss: float = 0.0  # chance a failure also takes the copies restored from
     fallback: Profile | None = None  # what recovery falls back to then
     interval_s: float | None = None  # fixed save interval; None: the optimum (Daly)
@@ -103,7 +107,11 @@ def expected_ratio(p: Profile, mtbf_s: float) -> float:
         per_failure = (1 - q) * failure_cost(p, mtbf_s) + q * failure_cost(fb, fb_mtbf)
         base = 1.0 - steady - per_failure / mtbf_s
     base -= p.degraded_s * p.degraded_share / mtbf_s
-    return max(0.0, base) * slow
+    ratio = max(0.0, base) * slow
+    # each failure adds `slowed_s` of wall time that counts as useful: at one failure per
+    # `mtbf_s` of wall time, a share slowed_s / mtbf_s of it
+    share = min(1.0, p.slowed_s / mtbf_s)
+    return ratio + (1.0 - ratio) * share
 
 
 def _save_share(p: Profile, mtbf_s: float) -> float:

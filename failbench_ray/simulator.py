@@ -87,7 +87,7 @@ def simulate(
         if sim.advance():  # a failure at sim.t: roll back, then recover
             sim.fail()
     t, work = sim.t, min(sim.work, job_s)
-    ratio = work / t if t > 0 else 1.0
+    ratio = (work + sim.slowed) / t if t > 0 else 1.0
     done = work >= job_s
     return SimResult(
         ratio, t, sim.n_fail, sim.n_fb, sim.n_cascade, work, done, not done and steps >= max_steps
@@ -116,6 +116,7 @@ class _Sim:
     fb_saved: float = 0.0
     degraded_until: float = 0.0
     degraded_share: float = 0.0
+    slowed: float = 0.0  # wall time of slowed steps after recoveries: useful by ETTR's definition
     n_fail: int = 0
     n_fb: int = 0
     n_cascade: int = 0
@@ -224,6 +225,10 @@ class _Sim:
             self.fb_saved = self.work
         if p.fallback is not None:
             self.next_fb = self.fb_saved + self.fb_tau
+        if p.slowed_s > 0:  # the steps after a recovery run slower (and count), until a failure
+            until = min(self.t + p.slowed_s, self.next_fail)
+            self.slowed += until - self.t
+            self.t = until
         if p.degraded_s > 0:  # elastic: fewer ranks train until the group grows back
             self.degraded_until = self.t + p.degraded_s
             self.degraded_share = min(0.9, killed * p.degraded_share)

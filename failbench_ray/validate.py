@@ -160,7 +160,9 @@ def fit_profile(
 ) -> Fitted:
     """Costs from the two calibration runs: `steady` (no failure) gives the step time and the
     steady overhead; `failing` gives each failure's downtime and lost work (its extra
-    unexplained time, e.g. a slow first step after a recovery, is downtime too). What saves
+    unexplained time, e.g. a slow first step after a recovery, is downtime too) and how much
+    longer the steps that count took after it (its useful time beyond the steady run's,
+    e.g. an elastic group on fewer ranks that keeps the batch). What saves
     block: the interval times the mean stall per step over the steady run's settled save
     periods (every kind of save the mechanism makes in its share; the failing run's, or the
     median of a save, where too few saves settled)."""
@@ -191,18 +193,24 @@ def fit_profile(
     k = max(k, 1)
     restart_s = (down + max(0.0, extra)) / k
     lost_s = (fb["replayed_s"] + fb["lost_in_flight_s"]) / k
+    # the same steps took longer to train in the failing run: slowed steps after its recoveries
+    slowed_s = (
+        max(0.0, fb["useful_s"] - ff["useful_s"]) / k if steps_failing == steps_steady else 0.0
+    )
     notes = [f"{k} calibration failure(s)"]
     if periodic:
         assert interval is not None
         profile = Profile(
             mechanism, save_s=max(save_s, 1e-9), overhead=overhead, restart_s=restart_s,
-            interval_s=interval * step_s,
+            interval_s=interval * step_s, slowed_s=slowed_s,
         )  # fmt: skip
     elif mechanism == "none":
-        profile = Profile(mechanism, overhead=overhead, restart_s=restart_s)
+        profile = Profile(mechanism, overhead=overhead, restart_s=restart_s, slowed_s=slowed_s)
         notes.append("no saved state: a failure restarts the job")
     else:
-        profile = Profile(mechanism, overhead=overhead, restart_s=restart_s, lost_s=lost_s)
+        profile = Profile(
+            mechanism, overhead=overhead, restart_s=restart_s, lost_s=lost_s, slowed_s=slowed_s
+        )
     return Fitted(profile, step_s, k, tuple(notes))
 
 
@@ -253,8 +261,9 @@ def ratio_with_failures(p: Profile, work_s: float, failures: int) -> float | Non
     `reliability.failure_cost`). One that strikes while the job is down recovering from
     another loses no work (nothing trained since the restore) and costs the part of that
     recovery already spent (half of it on average), which starts over: the rule of Daly's
-    formula and of the simulator. The share of wall time spent down is solved for (a fixed
-    point). None for `none`, whose loss depends on where each failure falls."""
+    formula and of the simulator. After each recovery the steps run `slowed_s` slower, which
+    counts as useful time and as wall time. The share of wall time spent down is solved for
+    (a fixed point). None for `none`, whose loss depends on where each failure falls."""
     if p.mechanism == "none":
         return None
     slow = 1.0 + p.overhead
@@ -265,14 +274,15 @@ def ratio_with_failures(p: Profile, work_s: float, failures: int) -> float | Non
         lost = (p.interval_s * slow + p.save_s) / 2
     else:
         restart, lost = p.restart_s, p.lost_s or 0.0
-    down_share, wall = 0.0, wall_0
+    down_share, wall, slowed = 0.0, wall_0, 0.0
     for _ in range(100):  # a contraction: converges to 1e-9 in tens of rounds at most
         down = failures * restart * (1.0 - down_share / 2)
-        wall = wall_0 + failures * (1.0 - down_share) * lost + down
+        slowed = failures * (1.0 - down_share) * p.slowed_s  # one slowed stretch a recovery
+        wall = wall_0 + failures * (1.0 - down_share) * lost + down + slowed
         if abs(down / wall - down_share) < 1e-9:
             break
         down_share = down / wall
-    return work_s / wall
+    return (work_s + slowed) / wall
 
 
 def ranking_agrees(

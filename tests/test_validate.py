@@ -159,6 +159,11 @@ def test_costs_come_from_the_calibration_runs() -> None:
     # without an interval, a mechanism's per-step stall is overhead and its loss is measured
     fit = fit_profile("redundant", None, steady, failing, 100, 100)
     assert fit.profile.overhead == pytest.approx(0.7) and fit.profile.lost_s == pytest.approx(0.15)
+    assert fit.profile.slowed_s == 0.0
+    # the same 100 steps took 0.6 s longer in the failing run: 0.3 s slowed after each failure
+    failing.trials[0].model_extra["ettr_breakdown"]["useful_s"] = 1.6  # type: ignore[index]
+    got = fit_profile("elastic", None, steady, failing, 100, 100).profile.slowed_s
+    assert got == pytest.approx(0.3)
     with pytest.raises(RuntimeError, match="did not complete"):
         bad = steady.model_copy(deep=True)
         bad.trials[0].status = "failed"
@@ -205,18 +210,24 @@ def test_the_model_for_a_runs_failures_is_the_simulators_mean_over_runs_that_met
     # each, is 3-4 pp low at 8 failures).
     from collections import defaultdict
 
-    from failbench_ray.reliability import Profile
+    from failbench_ray.reliability import Profile, expected_ratio
     from failbench_ray.simulator import Failures, simulate
 
-    p = Profile("disk_ckpt", save_s=0.05, restart_s=4.0, interval_s=3.0, overhead=0.15)
-    by_count: dict[int, list[float]] = defaultdict(list)
-    for seed in range(1500):
-        run = simulate(p, Failures(15.0), 60.0, 4, seed)
-        by_count[run.failures].append(run.ratio)
-    for k in range(3, 9):
-        mean = sum(by_count[k]) / len(by_count[k])
-        assert len(by_count[k]) >= 80
-        assert ratio_with_failures(p, 60.0, k) == pytest.approx(mean, abs=0.01), k
+    disk = Profile("disk_ckpt", save_s=0.05, restart_s=4.0, interval_s=3.0, overhead=0.15)
+    # and an elastic group whose steps run 1.5 s slower after each recovery, which counts
+    elastic = Profile("elastic", restart_s=2.0, lost_s=0.01, overhead=0.2, slowed_s=1.5)
+    for p in (disk, elastic):
+        by_count: dict[int, list[float]] = defaultdict(list)
+        for seed in range(1500):
+            run = simulate(p, Failures(15.0), 60.0, 4, seed)
+            by_count[run.failures].append(run.ratio)
+        for k in range(3, 9):
+            mean = sum(by_count[k]) / len(by_count[k])
+            assert len(by_count[k]) >= 80
+            assert ratio_with_failures(p, 60.0, k) == pytest.approx(mean, abs=0.01), (p, k)
+        # and Poisson's expectation is the simulator's mean over all of them
+        runs = [r for ratios in by_count.values() for r in ratios]
+        assert expected_ratio(p, 15.0) == pytest.approx(sum(runs) / len(runs), abs=0.015), p
 
 
 def test_a_ranking_is_judged_only_where_the_run_tells_mechanisms_apart() -> None:
