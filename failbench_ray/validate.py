@@ -593,7 +593,10 @@ def _validate_one(
     events = poisson_events(opts.mtbf_s, HORIZON * opts.duration_s, base.world_size, opts.mix, seed)
     timed = {"kind": "timed", "events": events}
     label = f"validate {name}" + (f" (failures seed {seed})" if opts.runs > 1 else "")
-    valid = run(_with(base, name=label, steps=steps, failures=timed))
+    # every drawn failure that strikes is recovered from: the spec's cap on recoveries would
+    # end a run that lives long enough to meet more
+    cap = max(base.max_recoveries, len(events))
+    valid = run(_with(base, name=label, steps=steps, failures=timed, max_recoveries=cap))
     trial = valid.trials[0] if valid.trials else None
     extra = (trial.model_extra or {}) if trial is not None else {}
     if trial is None or trial.status != "completed" or extra.get("ettr") is None:

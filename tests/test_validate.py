@@ -299,7 +299,10 @@ def test_validate_measures_ettr_under_poisson_failures_and_predicts_it(
         sim_runs=20,
     )  # fmt: skip
 
+    given: list[dict[str, Any]] = []
+
     def run(data: dict[str, Any]) -> ExperimentResult:
+        given.append(data)
         return run_experiment(parse_spec(data), db=db, out_dir=tmp_path / "runs")
 
     try:
@@ -324,3 +327,6 @@ def test_validate_measures_ettr_under_poisson_failures_and_predicts_it(
     assert data["mechanisms"][0]["ettr"] == m.measured_ettr
     assert data["mechanisms"][0]["runs"][0]["experiment"] == one.experiment
     assert lines[-1].startswith("disk_ckpt: measured ETTR ")
+    # however many of its failures a run lives to meet, it recovers from them all
+    drawn = given[-1]["failures"]["events"]
+    assert given[-1]["max_recoveries"] >= len(drawn) > 1
