@@ -152,7 +152,8 @@ def figure(report: ValidationReport, path: Path) -> str:
         ax.bar(xs, [100 * v for v in values], width, label=label, color=color)
         for x, v, band in zip(xs, values, bands.get(label, []), strict=False):
             if band is not None:
-                ax.errorbar([x], [100 * v], yerr=[[100 * (v - band[0])], [100 * (band[1] - v)]],
+                below, above = max(0.0, v - band[0]), max(0.0, band[1] - v)
+                ax.errorbar([x], [100 * v], yerr=[[100 * below], [100 * above]],
                             fmt="none", color="grey" if label == "measured" else "k", capsize=3,
                             linewidth=0.8)  # fmt: skip
         if label == "measured" and report.runs > 1:  # each run, on its mean's bar

@@ -211,7 +211,7 @@ def test_the_model_for_a_runs_failures_is_the_simulators_mean_over_runs_that_met
     from collections import defaultdict
 
     from failbench_ray.reliability import Profile, expected_ratio
-    from failbench_ray.simulator import Failures, simulate
+    from failbench_ray.simulator import Failures, simulate, summarize
 
     disk = Profile("disk_ckpt", save_s=0.05, restart_s=4.0, interval_s=3.0, overhead=0.15)
     # and an elastic group whose steps run 1.5 s slower after each recovery, which counts
@@ -228,6 +228,9 @@ def test_the_model_for_a_runs_failures_is_the_simulators_mean_over_runs_that_met
         # and Poisson's expectation is the simulator's mean over all of them
         runs = [r for ratios in by_count.values() for r in ratios]
         assert expected_ratio(p, 15.0) == pytest.approx(sum(runs) / len(runs), abs=0.015), p
+        drawn = summarize(p, Failures(15.0), 60.0, 4, runs=400, seed=0)
+        assert drawn.job_low < drawn.ratio < drawn.job_high
+        assert drawn.ratio == pytest.approx(expected_ratio(p, 15.0), abs=0.015), p
 
 
 def test_a_ranking_is_judged_only_where_the_run_tells_mechanisms_apart() -> None:
