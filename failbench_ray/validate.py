@@ -172,15 +172,7 @@ def fit_profile(
     periodic = interval is not None and mechanism != "none"
     if periodic:
         assert interval is not None
-        saves = max(1, steps_steady // interval)
-        settled = calm.get("stall_s_per_step_settled") or long_calm.get("stall_s_per_step_settled")
-        save_s = (
-            settled * interval
-            if settled
-            else long_calm.get("stall_s_median")
-            or calm.get("stall_s_median")
-            or ff["checkpoint_stall_s"] / saves
-        )
+        save_s = _save_cost(interval, steps_steady, ff, calm, long_calm)
         overhead = gap_s / step_s
     else:
         save_s = 0.0
@@ -212,6 +204,18 @@ def fit_profile(
             mechanism, overhead=overhead, restart_s=restart_s, lost_s=lost_s, slowed_s=slowed_s
         )
     return Fitted(profile, step_s, k, tuple(notes))
+
+
+def _save_cost(
+    interval: int, steps: int, ff: dict[str, Any], calm: dict[str, Any], long_calm: dict[str, Any]
+) -> float:
+    """What a save blocks: the interval times the settled stall per step (the steady run's,
+    else the failing run's), else the median of a save, else the steady run's mean."""
+    settled = calm.get("stall_s_per_step_settled") or long_calm.get("stall_s_per_step_settled")
+    if settled:
+        return float(settled * interval)
+    median = long_calm.get("stall_s_median") or calm.get("stall_s_median")
+    return float(median or ff["checkpoint_stall_s"] / max(1, steps // interval))
 
 
 def predict_poisson(
