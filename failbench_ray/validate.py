@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from failbench_ray.errors import UsageError
@@ -194,16 +194,14 @@ def fit_profile(
         assert interval is not None
         profile = Profile(
             mechanism, save_s=max(save_s, 1e-9), overhead=overhead, restart_s=restart_s,
-            interval_s=interval * step_s, slowed_s=slowed_s,
+            interval_s=interval * step_s,
         )  # fmt: skip
     elif mechanism == "none":
-        profile = Profile(mechanism, overhead=overhead, restart_s=restart_s, slowed_s=slowed_s)
+        profile = Profile(mechanism, overhead=overhead, restart_s=restart_s)
         notes.append("no saved state: a failure restarts the job")
     else:
-        profile = Profile(
-            mechanism, overhead=overhead, restart_s=restart_s, lost_s=lost_s, slowed_s=slowed_s
-        )
-    return Fitted(profile, step_s, k, tuple(notes))
+        profile = Profile(mechanism, overhead=overhead, restart_s=restart_s, lost_s=lost_s)
+    return Fitted(replace(profile, slowed_s=slowed_s), step_s, k, tuple(notes))
 
 
 def _save_cost(
