@@ -145,9 +145,10 @@ def test_a_straggler_runs_its_process_at_one_over_factor_of_the_time() -> None:
         stop.set()
         cycle.join(5)
         # Stopped 3/4 of each cycle; the rest it sleeps as `sleep` does (or, just resumed, is
-        # briefly runnable: R).
-        assert {"T", "S"} <= states <= {"T", "S", "R"}
-        assert not cycle.is_alive() and _proc_state(proc.pid) in ("S", "R")  # resumed
+        # briefly runnable: R, or, on a loaded machine, waits on a page-in: D). Never dead.
+        alive = {"T", "S", "R", "D"}
+        assert {"T", "S"} <= states <= alive
+        assert not cycle.is_alive() and _proc_state(proc.pid) in alive - {"T"}  # resumed
     finally:
         proc.kill()
         proc.wait()
