@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from failbench_ray.recommend import Question
 from failbench_ray.results import ExperimentResult
 from failbench_ray.storage.tables import Experiment
 
@@ -108,6 +109,65 @@ class SweepOut(BaseModel):
     status: str
     progress: dict[str, int]
     cells: list[SweepCellOut]
+
+
+class Cost(BaseModel):
+    value: float
+    source: str = Field(description="`default`, or the measured runs it was fitted from.")
+
+
+class Simulated(BaseModel):
+    """The seeded simulator's runs of the job (`simulate_runs` of them)."""
+
+    ettr: float = Field(description="The runs' useful time over their wall time.")
+    ci95: float = Field(description="Half-width of its 95% bootstrap interval.")
+    job_interval95: tuple[float, float] = Field(
+        description="Where one job's ETTR falls: the runs' 2.5th and 97.5th percentiles."
+    )
+    runs: int
+    cut_short: int = Field(description="Runs stopped by the simulation budget before the end.")
+    note: str | None = Field(None, description="Why runs were cut short, when some were.")
+
+
+class Ranked(BaseModel):
+    mechanism: str
+    ettr: float = Field(description="Expected useful / wall time (Daly's model).")
+    simulated: Simulated | None = Field(description="Null when `simulate_runs` is 0.")
+    interval_s: float | None = Field(description="Checkpoint interval; null if not periodic.")
+    why: str
+
+
+class Policy(BaseModel):
+    """What to set for the top-ranked mechanism."""
+
+    mechanism: str
+    checkpoint_interval_s: float | None
+    spares: int = Field(description="Spares covering 99% of the repair windows.")
+    hang_timeout_s: float
+    ettr: float
+    ettr_interval95: tuple[float, float] | None = Field(
+        description="95% of one job's ETTR (the simulator's runs); null without them."
+    )
+    why: str
+
+
+class NotApplicable(BaseModel):
+    mechanism: str
+    reason: str | None
+
+
+class Recommendation(BaseModel):
+    """`failbench recommend --json`'s answer: the same fields, the same values."""
+
+    question: Question
+    job_mtbf_hours: float = Field(description="One worker's MTBF divided by the workers.")
+    failures_expected: float = Field(description="Failures in `job_days` of training.")
+    state_gb_per_rank: float
+    preset: str | None = Field(description="The failure curve's source, when a preset is used.")
+    costs: dict[str, Cost] = Field(description="Unit costs: seconds per GB, phase seconds.")
+    policy: Policy | None = Field(description="Null when no mechanism applies.")
+    ranking: list[Ranked] = Field(description="Applicable mechanisms, highest ETTR first.")
+    not_applicable: list[NotApplicable]
 
 
 class Health(BaseModel):

@@ -107,6 +107,7 @@ class Server(Process):
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.db_url = db_url
         args = ["serve", "--port", str(self.port), "--db", db_url]
         args += ["--dispatchers", str(dispatchers), *(extra or [])]
         super().__init__(args, cwd, env)

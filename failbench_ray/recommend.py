@@ -326,8 +326,9 @@ def _ranked(q: Question, p: Profile, job_s: float, job_mtbf_s: float) -> dict[st
                 f"{got.out_of_steps} of {got.runs} runs stopped after their share of "
                 f"{STEP_BUDGET:,} simulated saves and failures before the job was done"
             )
-        if notes:
-            sim["note"] = "; ".join(notes) + "; the ratio is that of the time simulated"
+        sim["note"] = (
+            "; ".join(notes) + "; the ratio is that of the time simulated" if notes else None
+        )
     return {
         "mechanism": p.mechanism,
         "ettr": ratio,

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from failbench_ray.recommend import Question, recommend_stored
 from tests.conftest import fresh_pg_database
 from tests.service import Server
 from tests.tcpproxy import Proxy
@@ -293,11 +294,17 @@ def test_serve_on_a_busy_port_says_so_before_starting_anything(tmp_path: Path) -
     assert "Started a local Ray instance" not in r.stderr
 
 
-def test_recommend_answers_like_the_cli_and_refuses_bad_questions(api: httpx.Client) -> None:
+def test_recommend_answers_like_the_cli_and_refuses_bad_questions(
+    api: httpx.Client, server: Server
+) -> None:
     q = {"architecture": "ddp", "state_gb": 10, "world": 64, "mtbf_hours": 5e4}
     r = api.get("/v1/recommend", params={**q, "simulate_runs": 2})
     assert r.status_code == 200, r.text
     body = r.json()
+    # the typed response drops and changes nothing: the CLI's answer (`recommend --json`
+    # runs the same function on the same database), field for field
+    cli = recommend_stored(server.db_url, Question.model_validate({**q, "simulate_runs": 2}))
+    assert body == json.loads(json.dumps(cli))
     assert body["ranking"][0]["ettr"] >= body["ranking"][-1]["ettr"]
     assert body["question"]["world"] == 64
     policy = body["policy"]  # issue 20: what to set, with the ETTR to expect

@@ -126,6 +126,16 @@ def test_the_schema_enumerates_the_registered_names(server: Server, doc: dict[st
     assert query("/v1/experiments", "mechanism") == MECHANISMS.names()
     assert query("/v1/recommend", "architecture") == ARCHITECTURES.names()
     assert query("/v1/recommend", "preset") == list(PRESETS)
+    # and the answer is typed: a generated client knows the policy's fields (issue 20)
+    ok = doc["paths"]["/v1/recommend"]["get"]["responses"]["200"]["content"]
+    assert ok["application/json"]["schema"] == {"$ref": "#/components/schemas/Recommendation"}
+    assert set(parts["Policy"]["required"]) == {
+        "mechanism", "checkpoint_interval_s", "spares", "hang_timeout_s", "ettr",
+        "ettr_interval95", "why",
+    }  # fmt: skip
+    assert parts["Recommendation"]["properties"]["ranking"]["items"] == {
+        "$ref": "#/components/schemas/Ranked"
+    }
 
     with server.client(headers=AUTH) as api:
         r = api.post("/v1/experiments", json={"architecture": "nope"})

@@ -31,7 +31,7 @@ def _registry() -> dict[str, Any]:
     return jsonable_encoder({**catalog(), "matrix": matrix()}, custom_encoder={type: repr})
 
 
-@router.get("/v1/recommend", dependencies=Reader)
+@router.get("/v1/recommend", dependencies=Reader, response_model=schemas.Recommendation)
 async def recommend_mechanisms(
     question: Annotated[Question, Query()], db: Db, compute: Compute
 ) -> dict[str, Any]:
