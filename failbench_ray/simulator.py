@@ -75,20 +75,28 @@ def simulate(
     seed: int = 0,
     max_failures: int = MAX_FAILURES,
     max_steps: int = MAX_STEPS,
+    wall_s: float | None = None,
 ) -> SimResult:
     """One run of a job of `job_s` seconds of work on `world` workers (at most `max_failures`
-    failures of it, and `max_steps` steps)."""
+    failures of it, and `max_steps` steps). With `wall_s`, the run lasts that wall time
+    instead, however much work it gets done (a measured run's window, replayed with its
+    failure times: every failure before its end strikes, however fast the simulated job)."""
+    if wall_s is not None:
+        job_s = math.inf
     sim = _Sim.start(p, failures, job_s, world, seed)
     sim.max_failures = max_failures
+    sim.end_t = math.inf if wall_s is None else wall_s
     steps = 0
-    while sim.work < job_s and sim.n_fail < max_failures and steps < max_steps:
+    while (
+        sim.work < job_s and sim.t < sim.end_t and sim.n_fail < max_failures and steps < max_steps
+    ):
         steps += 1
         sim.skip_cycles()
         if sim.advance():  # a failure at sim.t: roll back, then recover
             sim.fail()
     t, work = sim.t, min(sim.work, job_s)
     ratio = (work + sim.slowed) / t if t > 0 else 1.0
-    done = work >= job_s
+    done = work >= job_s or t >= sim.end_t
     return SimResult(
         ratio, t, sim.n_fail, sim.n_fb, sim.n_cascade, work, done, not done and steps >= max_steps
     )
@@ -121,6 +129,7 @@ class _Sim:
     n_fb: int = 0
     n_cascade: int = 0
     max_failures: int = MAX_FAILURES  # a recovery that never gets through stops here too
+    end_t: float = math.inf  # the run's wall time, when it is bounded by that (`simulate`)
 
     @classmethod
     def start(cls, p: Profile, failures: Failures, job_s: float, world: int, seed: int) -> _Sim:
@@ -153,7 +162,8 @@ class _Sim:
         cycle = tau * self.slow + p.save_s
         end = min(self.next_fb, self.job_s)
         by_fail = math.inf if math.isinf(self.next_fail) else (self.next_fail - t) // cycle
-        k = int(min(by_fail, (end - work) // tau)) - 1
+        by_wall = math.inf if math.isinf(self.end_t) else (self.end_t - t) // cycle
+        k = int(min(by_fail, by_wall, (end - work) // tau)) - 1
         if k > 0:
             self.work, self.t = work + k * tau, t + k * cycle
             self.saved = [*self.saved[-3:], (self.work, self.t + p.durable_s)]
@@ -167,6 +177,10 @@ class _Sim:
         t_reach = t + (target - work) * rate
         if t < back < t_reach:  # the group grows back before the target
             t_reach = back + (target - work - (back - t) / rate) * slow
+        if min(self.next_fail, t_reach) > self.end_t:  # the run's wall time ends first
+            self.work = _progress_at(work, t, self.end_t, rate, back, slow)
+            self.t = self.end_t
+            return False
         if self.next_fail >= t_reach:
             self.work, self.t = target, t_reach
             if self.work >= self.job_s:
@@ -184,6 +198,9 @@ class _Sim:
             pause += p.save_s
         if work >= self.next_fb and fb is not None:
             pause += fb.save_s
+        if min(self.next_fail, self.t + pause) > self.end_t:  # the run ends while saving
+            self.t = self.end_t
+            return False
         if self.next_fail < self.t + pause:  # failed while saving: the save never completes
             self.work = _progress_at(work, self.t, self.next_fail, 0.0)
             self.t = self.next_fail
@@ -208,6 +225,9 @@ class _Sim:
             level, restart = self._restore_point(took_copies)
             self.work = min(self.work, level)
             self.next_fail = failures.next_after(self.t, rng)
+            if min(self.next_fail, self.t + restart) > self.end_t:  # the run ends while down
+                self.t = self.end_t
+                return
             if self.next_fail >= self.t + restart:
                 self.t += restart
                 break
@@ -226,7 +246,7 @@ class _Sim:
         if p.fallback is not None:
             self.next_fb = self.fb_saved + self.fb_tau
         if p.slowed_s > 0:  # the steps after a recovery run slower (and count), until a failure
-            until = min(self.t + p.slowed_s, self.next_fail)
+            until = min(self.t + p.slowed_s, self.next_fail, self.end_t)
             self.slowed += until - self.t
             self.t = until
         if p.degraded_s > 0:  # elastic: fewer ranks train until the group grows back

@@ -243,12 +243,16 @@ def predict_run(
     times: tuple[float, ...],
     struck: int,
     seed: int,
+    wall_s: float | None = None,
 ) -> dict[str, Any]:
     """For the failures one run met: the model with its `struck` failures, the simulator
-    playing the very failure `times` drawn for it (those the run ended before are the
-    simulator's too, should its job last longer)."""
+    playing the very failure `times` drawn for it. Given the run's measured `wall_s`, the
+    simulator plays that wall time (useful / wall over the same window, meeting the same
+    failures: a simulated job that recovers faster would otherwise finish its `work_s` first
+    and escape the run's late failures); without it, `work_s` of work."""
     p = fitted.profile
-    same = simulate(p, Failures(mtbf_s, schedule=times), work_s, world, seed)
+    failures = Failures(mtbf_s, schedule=times)
+    same = simulate(p, failures, work_s, world, seed, wall_s=wall_s)
     return {
         "model_same_failures": ratio_with_failures(p, work_s, struck),
         "simulator_same_failures": same.ratio,
@@ -607,7 +611,7 @@ def _validate_one(
     times = tuple(float(e["at_seconds"]) for e in events)
     predicted = predict_run(
         fitted, opts.mtbf_s, steps * fitted.step_s, base.world_size, times,
-        len(trial.failures), seed,
+        len(trial.failures), seed, wall_s=extra["ettr_breakdown"].get("wall_s"),
     )  # fmt: skip
     return RunValidation(
         seed, valid.experiment_id, float(extra["ettr"]), len(trial.failures),

@@ -196,6 +196,16 @@ def test_predictions_of_the_model_and_of_the_simulator_with_the_same_failures() 
     assert wall < 315 + 2 * (3 + 5.25)
     assert two["simulator_same_failures_struck"] == 2
     assert abs(two["simulator_same_failures"] - two["model_same_failures"]) < 0.01
+    # a failure late in a measured run whose recoveries took longer than the simulated ones:
+    # the simulated job of 300 s of work ends at 328.5 s and escapes it, unless it plays the
+    # run's own wall time (360 s), as `failbench validate` has it do
+    late = (100.0, 200.0, 340.0)
+    escaped = predict_run(fitted, 50.0, 300.0, 4, late, 3, seed=1)
+    assert escaped["simulator_same_failures_struck"] == 2
+    met = predict_run(fitted, 50.0, 300.0, 4, late, 3, seed=1, wall_s=360.0)
+    assert met["simulator_same_failures_struck"] == 3
+    assert met["simulator_same_failures"] < escaped["simulator_same_failures"]
+    assert abs(met["simulator_same_failures"] - met["model_same_failures"]) < 0.03
     # slowed steps: both already count the overhead (once)
     slow = Fitted(Profile("redundant", overhead=0.25, restart_s=3, lost_s=0.5), 0.01, 2)
     got = predict(slow, (), 0, runs=10)
