@@ -112,6 +112,12 @@ def _add_validate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         default=12.0,
         help="the steady and the failing calibration runs train at least this long, s (12)",
     )
+    val.add_argument(
+        "--calibration-failures",
+        type=int,
+        default=2,
+        help="kills in the failing calibration run; the costs per failure are their mean (2)",
+    )
     val.add_argument("--sim-runs", type=int, default=200, help="seeded simulator runs (200)")
     val.add_argument(
         "--runs",
@@ -393,6 +399,7 @@ def _validate(args: argparse.Namespace) -> int:
         mix=validate.parse_mix(args.mix),
         calibration_steps=args.calibration_steps,
         calibration_s=args.calibration_s,
+        calibration_failures=args.calibration_failures,
         sim_runs=args.sim_runs,
         runs=args.runs,
     )

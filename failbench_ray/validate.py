@@ -39,6 +39,8 @@ from failbench_ray.spec import ExperimentSpec
 GOAL_PP = 3.0  # the issue's goal: every error at most 3 percentage points
 CALIBRATION_SEED_OFFSET = 1_000_003  # calibration runs train on other data than validation's
 HORIZON = 4.0  # failures are drawn over this many times the failure-free duration
+MAX_CALIBRATION_FAILURES = 8
+CALIBRATION_GAP_STEPS = 3  # steps between calibration failures, at the least
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,9 @@ class ValidateOptions:
     # The failing calibration run lasts at least this long (seconds of training), so that what a
     # failure sets off later (an elastic group growing back) happens inside it.
     calibration_s: float = 12.0
+    # Failures of the failing calibration run: the costs per failure are their mean, so more
+    # of them average out a recovery that ran slow on a loaded machine (at more run time).
+    calibration_failures: int = 2
     sim_runs: int = 200
     # validation runs per mechanism, each its own Poisson draw (seeds seed, seed+1, ...): the
     # mean of several can be held against the expectation over the failure process
@@ -87,6 +92,17 @@ def check_options(spec: ExperimentSpec, opts: ValidateOptions) -> tuple[str, ...
         )
     if opts.runs < 1:
         raise UsageError(f"--runs {opts.runs}: give 1 or more validation runs per mechanism")
+    n = opts.calibration_failures
+    if not 1 <= n <= MAX_CALIBRATION_FAILURES:
+        raise UsageError(
+            f"--calibration-failures {n}: give 1 to {MAX_CALIBRATION_FAILURES} failures"
+        )
+    if opts.calibration_steps < CALIBRATION_GAP_STEPS * (n + 1):
+        raise UsageError(
+            f"--calibration-steps {opts.calibration_steps} is too few for {n} calibration "
+            f"failures {CALIBRATION_GAP_STEPS} steps apart: give at least "
+            f"{CALIBRATION_GAP_STEPS * (n + 1)}, or fewer --calibration-failures"
+        )
     if not opts.mix:
         raise UsageError("--mix is empty: give kind=weight pairs, e.g. sigkill=0.8,hang=0.2")
     for name, weight in opts.mix.items():
@@ -494,18 +510,28 @@ def _with(spec: ExperimentSpec, **changes: Any) -> dict[str, Any]:
     return data
 
 
+def calibration_events(steps: int, world: int, n: int) -> list[dict[str, Any]]:
+    """`n` kills spread evenly over a run of `steps`, alternating between the last rank and
+    rank 1 (a cascading trace: each after the previous one's recovery)."""
+    return [
+        {"ranks": [world - 1 if i % 2 == 0 else min(1, world - 1)], "at_step": at}
+        for i, at in enumerate((i + 1) * steps // (n + 1) + min(i, 1) for i in range(n))
+    ]
+
+
 def calibrate(
     base: ExperimentSpec,
     steps: int,
     least_s: float,
     run: Callable[[dict[str, Any]], ExperimentResult],
+    failures: int = 2,
 ) -> tuple[Fitted, dict[str, str]]:
     """The calibration runs of `base`'s mechanism (a seed of their own: never the validation's
     data) and the costs fitted on them. First a warm-up run of `steps` that nothing is fitted
     on (the first runs of a mechanism in a cluster are slower than the long validation runs
     that follow) and that sets the pace; then, each at least `steps` and `least_s` seconds
-    long, a run with no failure and a run with two failures (a save's stall varies twofold
-    from one short run to the next on a shared machine; a longer run averages it).
+    long, a run with no failure and a run with `failures` failures (a save's stall varies
+    twofold from one short run to the next on a shared machine; a longer run averages it).
     CalibrationFailed if one did not complete."""
     name, world = base.mechanism.name, base.world_size
     seed = base.seed + CALIBRATION_SEED_OFFSET
@@ -517,14 +543,11 @@ def calibrate(
         steady = run(_with(base, name=f"calibrate {name}: steady", steps=long, seed=seed))
         ids["steady"] = steady.experiment_id
         _breakdown(steady)
-        two = [
-            {"ranks": [world - 1], "at_step": long // 3},
-            {"ranks": [min(1, world - 1)], "at_step": 2 * long // 3 + 1},
-        ]
+        events = calibration_events(long, world, failures)
         failing = run(
             _with(
                 base, name=f"calibrate {name}: failures", steps=long, seed=seed,
-                failures={"kind": "cascading", "events": two},
+                failures={"kind": "cascading", "events": events},
             )
         )  # fmt: skip
         ids["failures"] = failing.experiment_id
@@ -559,7 +582,9 @@ def run_validate(
         mech = spec.mechanism.model_dump(mode="json") if name == spec.mechanism.name else name
         base = parse_spec(_with(spec, mechanism=mech, failures={"kind": "none"}))
         try:
-            fitted, ids = calibrate(base, opts.calibration_steps, opts.calibration_s, run)
+            fitted, ids = calibrate(
+                base, opts.calibration_steps, opts.calibration_s, run, opts.calibration_failures
+            )
         except CalibrationFailed as err:
             report.mechanisms.append(MechanismValidation(name, {}, err.ids, error=str(err)))
             say(f"{name}: {err}")

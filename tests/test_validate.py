@@ -18,6 +18,7 @@ from failbench_ray.storage.db import Database
 from failbench_ray.validate import (
     Fitted,
     ValidateOptions,
+    calibration_events,
     check_options,
     fit_profile,
     parse_mix,
@@ -69,6 +70,12 @@ def test_failures_arrive_as_a_seeded_poisson_process() -> None:
         ({"mix": {"bitflip": 1.0}}, "--mix: bitflip is not a failure that strikes at a wall"),
         ({"mix": {"sigkill": 1.5, "hang": -0.5}}, "--mix: hang=-0.5; every weight must be"),
         ({"runs": 0}, "--runs 0: give 1 or more validation runs per mechanism"),
+        ({"calibration_failures": 0}, "--calibration-failures 0: give 1 to 8 failures"),
+        (
+            {"calibration_failures": 5, "calibration_steps": 12},
+            "--calibration-steps 12 is too few for 5 calibration failures 3 steps apart: give "
+            "at least 18, or fewer --calibration-failures",
+        ),
     ],
 )
 def test_bad_input_gets_one_line_saying_what_to_change(change: dict[str, Any], says: str) -> None:
@@ -98,6 +105,20 @@ def test_the_command_refuses_bad_input_in_one_line(
         assert cli.main(["validate", str(spec), *args, "--db", f"sqlite:///{tmp_path}/v.db"]) == 2
         err = capsys.readouterr().err
         assert says in err and err.strip().count("\n") == 0, err
+
+
+def test_calibration_failures_are_spread_evenly_over_the_failing_run() -> None:
+    # two, as the costs were always fitted: at a third and two thirds, on two ranks
+    assert calibration_events(100, 4, 2) == [
+        {"ranks": [3], "at_step": 33},
+        {"ranks": [1], "at_step": 67},
+    ]
+    for steps, world, n in ((100, 4, 5), (27, 2, 8), (40, 8, 1)):
+        events = calibration_events(steps, world, n)
+        at = [e["at_step"] for e in events]
+        assert len(at) == n and at[0] > 0 and at[-1] < steps
+        assert all(b - a >= 2 for a, b in zip(at, at[1:], strict=False)), at
+        assert all(0 <= e["ranks"][0] < world for e in events)
 
 
 def result(breakdown: dict[str, float], steady: dict[str, float], failures: int) -> Any:
