@@ -80,9 +80,24 @@ def parse_mix(text: str) -> dict[str, float]:
 def check_options(spec: ExperimentSpec, opts: ValidateOptions) -> tuple[str, ...]:
     """The mechanisms to validate; UsageError (one line, what to change) on bad input."""
     from failbench_ray import catalog
-    from injector.kill_kinds import KILL_KINDS
     from mechanisms import MECHANISMS
 
+    _check_numbers(opts)
+    _check_mix(opts.mix)
+    applies = catalog.applicability(spec.architecture.name)
+    names = opts.mechanisms or tuple(m for m, why in applies.items() if why is None)
+    for name in names:
+        MECHANISMS.get(name)  # unknown: one line naming the valid ones
+        if applies.get(name) is not None:
+            raise UsageError(
+                f"mechanism {name} does not apply to {spec.architecture.name}: {applies[name]}"
+            )
+    if len(set(names)) != len(names):
+        raise UsageError(f"--mechanisms {','.join(names)} names a mechanism twice")
+    return tuple(names)
+
+
+def _check_numbers(opts: ValidateOptions) -> None:
     if not opts.mtbf_s > 0 or math.isinf(opts.mtbf_s):
         raise UsageError(f"--mtbf-s {opts.mtbf_s:g}: give a positive number of seconds")
     if not opts.duration_s >= opts.mtbf_s or math.isinf(opts.duration_s):
@@ -103,9 +118,14 @@ def check_options(spec: ExperimentSpec, opts: ValidateOptions) -> tuple[str, ...
             f"failures {CALIBRATION_GAP_STEPS} steps apart: give at least "
             f"{CALIBRATION_GAP_STEPS * (n + 1)}, or fewer --calibration-failures"
         )
-    if not opts.mix:
+
+
+def _check_mix(mix: dict[str, float]) -> None:
+    from injector.kill_kinds import KILL_KINDS
+
+    if not mix:
         raise UsageError("--mix is empty: give kind=weight pairs, e.g. sigkill=0.8,hang=0.2")
-    for name, weight in opts.mix.items():
+    for name, weight in mix.items():
         kind = KILL_KINDS.get(name)  # unknown: one line naming the valid ones
         if not weight > 0:
             raise UsageError(f"--mix: {name}={weight:g}; every weight must be positive")
@@ -115,20 +135,9 @@ def check_options(spec: ExperimentSpec, opts: ValidateOptions) -> tuple[str, ...
                 "(it needs a failpoint in the step, or it ends by itself); use sigkill, "
                 "ray_kill, hang, gil_hang, preempt or node"
             )
-    total = sum(opts.mix.values())
+    total = sum(mix.values())
     if abs(total - 1.0) > 1e-6:
         raise UsageError(f"--mix weights sum to {total:g}, not 1; scale them to sum to 1")
-    applies = catalog.applicability(spec.architecture.name)
-    names = opts.mechanisms or tuple(m for m, why in applies.items() if why is None)
-    for name in names:
-        MECHANISMS.get(name)  # unknown: one line naming the valid ones
-        if applies.get(name) is not None:
-            raise UsageError(
-                f"mechanism {name} does not apply to {spec.architecture.name}: {applies[name]}"
-            )
-    if len(set(names)) != len(names):
-        raise UsageError(f"--mechanisms {','.join(names)} names a mechanism twice")
-    return tuple(names)
 
 
 def poisson_events(
