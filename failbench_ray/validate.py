@@ -2,8 +2,8 @@
 
 For each mechanism:
 1. calibration (never the validation runs): the spec trained once to warm up (discarded), then
-   with no failure and with two failures at fixed steps, each at least `calibration_s` long
-   (a seed of its own); from the last two runs' ETTR breakdowns (`ettr`) come the mechanism's
+   with no failure and with `calibration_failures` kills spread evenly, each at least
+   `calibration_s` long (a seed of its own); from the last two runs' ETTR breakdowns (`ettr`) come the mechanism's
    costs: the time of a step, what a save blocks, the steady overhead (gaps between
    steps, per-step copies), the downtime of a failure and the work it loses (`fit_profile`);
 2. validation: the spec trained for D seconds of failure-free work, while failures arrive as a
@@ -449,6 +449,7 @@ class ValidationReport:
     seed: int
     mix: dict[str, float]
     runs: int = 1
+    calibration_failures: int = 2
     mechanisms: list[MechanismValidation] = field(default_factory=list)
 
     def agreement(self) -> dict[str, Any]:
@@ -499,6 +500,7 @@ class ValidationReport:
             "duration_s": self.duration_s,
             "seed": self.seed,
             "runs": self.runs,
+            "calibration_failures": self.calibration_failures,
             "mix": self.mix,
             "goal_pp": GOAL_PP,
             "mechanisms": rows,
@@ -585,7 +587,7 @@ def run_validate(
     names = check_options(spec, opts)
     report = ValidationReport(
         spec.architecture.name, opts.mtbf_s, opts.duration_s, opts.seed, dict(opts.mix),
-        opts.runs,
+        opts.runs, opts.calibration_failures,
     )  # fmt: skip
     for name in names:
         mech = spec.mechanism.model_dump(mode="json") if name == spec.mechanism.name else name

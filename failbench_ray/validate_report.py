@@ -34,8 +34,8 @@ def markdown_report(report: ValidationReport, figure: str | None) -> list[str]:
         "",
         f"Failures: a Poisson process of mean {report.mtbf_s:g} s (kinds {report.mix}); "
         f"{report.duration_s:g} s of failure-free work per run; {runs} Costs fitted on separate "
-        "calibration runs (after a discarded warm-up run: no failure; two failures at fixed "
-        "steps), never on a validation run. "
+        f"calibration runs (after a discarded warm-up run: no failure; "
+        f"{report.calibration_failures} failure(s) spread evenly), never on a validation run. "
         "ETTR as the README defines it. The Poisson predictions are expectations over the "
         "failure process, which one run meets one draw of; so they are also given for the "
         "failures each run met.",
