@@ -3,9 +3,10 @@
 For each mechanism:
 1. calibration (never the validation runs): the spec trained once to warm up (discarded), then
    with no failure and with `calibration_failures` kills spread evenly, each at least
-   `calibration_s` long (a seed of its own); from the last two runs' ETTR breakdowns (`ettr`) come the mechanism's
-   costs: the time of a step, what a save blocks, the steady overhead (gaps between
-   steps, per-step copies), the downtime of a failure and the work it loses (`fit_profile`);
+   `calibration_s` long (a seed of its own); from the last two runs' ETTR breakdowns (`ettr`)
+   come the mechanism's costs: the time of a step, what a save blocks, the steady overhead
+   (gaps between steps, per-step copies), the downtime of a failure and the work it loses
+   (`fit_profile`);
 2. validation: the spec trained for D seconds of failure-free work, while failures arrive as a
    seeded Poisson process in wall time (exponential gaps of mean S; rank uniform, kind drawn from
    `--mix`): a `timed` trace. Its measured ETTR and breakdown are the truth; with `runs` > 1,
@@ -449,8 +450,8 @@ class ValidationReport:
     seed: int
     mix: dict[str, float]
     runs: int = 1
-    calibration_failures: int = 2
     mechanisms: list[MechanismValidation] = field(default_factory=list)
+    calibration_failures: int = 2
 
     def agreement(self) -> dict[str, Any]:
         done = [m for m in self.mechanisms if m.measured_ettr is not None and m.poisson]
@@ -587,7 +588,7 @@ def run_validate(
     names = check_options(spec, opts)
     report = ValidationReport(
         spec.architecture.name, opts.mtbf_s, opts.duration_s, opts.seed, dict(opts.mix),
-        opts.runs, opts.calibration_failures,
+        opts.runs, calibration_failures=opts.calibration_failures,
     )  # fmt: skip
     for name in names:
         mech = spec.mechanism.model_dump(mode="json") if name == spec.mechanism.name else name

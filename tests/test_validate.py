@@ -304,7 +304,9 @@ def test_several_runs_are_held_against_the_poisson_predictions_by_their_mean(
     wide = MechanismValidation("none", {}, {}, runs(0.2, 0.9, 0.95), dict(poisson))
     assert wide.measured_interval95 == (0.0, 1.0)
     assert a.breakdown == {"wall_s": 30.0, "useful_s": pytest.approx(22.2)}
-    report = ValidationReport("ddp", 15.0, 60.0, 0, {"sigkill": 1.0}, 3, [a, b])
+    report = ValidationReport(
+        "ddp", 15.0, 60.0, 0, {"sigkill": 1.0}, 3, [a, b], calibration_failures=4
+    )
     agree = report.agreement()
     assert agree["model"]["within_measured_interval95"] is False
     assert agree["model"]["max_error_pp"] == pytest.approx(11.0)
@@ -313,6 +315,8 @@ def test_several_runs_are_held_against_the_poisson_predictions_by_their_mean(
     assert a.measured_ettr is None and a.failed == "seed 1: validation run: boom"
     md = "\n".join(markdown_report(report, figure(report, tmp_path / "v.png")))
     assert "3 validation runs per mechanism" in md and "failed: seed 1: validation run" in md
+    assert "no failure; 4 failure(s) spread evenly" in md
+    assert report.as_dict()["calibration_failures"] == 4
     assert "| elastic | 2+3+4 | 91.0% (88.5%-93.5%) |" in md
     assert (tmp_path / "v.png").stat().st_size > 10_000
 
