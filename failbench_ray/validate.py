@@ -524,7 +524,8 @@ def _with(spec: ExperimentSpec, **changes: Any) -> dict[str, Any]:
 
 def calibration_events(steps: int, world: int, n: int) -> list[dict[str, Any]]:
     """`n` kills spread evenly over a run of `steps`, alternating between the last rank and
-    rank 1 (a cascading trace: each after the previous one's recovery)."""
+    rank 1 (a cascading trace: each after the previous one's recovery). Every kill after the
+    first is one step later: for n=2, the steps the calibration always killed at."""
     return [
         {"ranks": [world - 1 if i % 2 == 0 else min(1, world - 1)], "at_step": at}
         for i, at in enumerate((i + 1) * steps // (n + 1) + min(i, 1) for i in range(n))
